@@ -1,0 +1,27 @@
+"""deepspeed_ppq: pipeline parallelism and low-bit weights planned as one problem.
+
+Public entry points are imported lazily so ``import deepspeed_ppq`` stays cheap and works without
+DeepSpeed or megatron-core installed.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "initialize", "autotune", "load_ppq_config", "PPQConfig"]
+
+
+def __getattr__(name: str):
+    if name == "initialize":
+        from deepspeed_ppq.integrations.deepspeed import initialize
+
+        return initialize
+    if name == "autotune":
+        from deepspeed_ppq.autotune import autotune
+
+        return autotune
+    if name in ("load_ppq_config", "PPQConfig"):
+        from deepspeed_ppq import config
+
+        return getattr(config, name)
+    raise AttributeError(f"module 'deepspeed_ppq' has no attribute {name!r}")

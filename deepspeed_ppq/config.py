@@ -1,0 +1,299 @@
+"""The typed ``"ppq"`` section of a DeepSpeed JSON config.
+
+One model serves every front end: the DeepSpeed JSON section (``deepspeed_ppq.initialize``), the
+Megatron ``--ppq-*`` flags (``megatron_patches.add_ppq_args`` walks these fields), the ``ppq`` CLI
+and the JSON Schema in ``configs/ppq.schema.json`` (``python -m deepspeed_ppq.config > ...``).
+
+Example::
+
+    "ppq": {
+      "weights":     {"format": "int8", "block_size": 64, "keep_first_blocks": 1},
+      "activations": {"method": "quant", "bits": 8, "granularity": "token"},
+      "gradients":   {"method": "quant", "bits": 8},
+      "partition":   {"method": "explicit", "boundaries": [0, 5, 10]}
+    }
+
+Defaults are safe: no low-bit weights and no compression unless asked for. Every error names the
+dotted field, the bad value, what is allowed and, for a misspelt key, the closest valid one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import sys
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "WeightFormat",
+    "PrecisionRule",
+    "WeightsConfig",
+    "CodecConfig",
+    "AQSGDConfig",
+    "PartitionConfig",
+    "AutotuneConfig",
+    "PPQConfig",
+    "PPQConfigError",
+    "load_ppq_config",
+    "ppq_json_schema",
+]
+
+
+class PPQConfigError(ValueError):
+    """A ``"ppq"`` config that cannot be used; the message says which field and how to fix it."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=False)
+
+
+class WeightFormat(str, Enum):
+    """Storage formats for weights (``none`` keeps the training dtype)."""
+
+    none = "none"
+    int8 = "int8"
+    int4 = "int4"
+    nf4 = "nf4"
+    fp8_e4m3 = "fp8_e4m3"
+    fp8_e5m2 = "fp8_e5m2"
+
+    @property
+    def bits(self) -> int:
+        return {"none": 32, "int8": 8, "int4": 4, "nf4": 4, "fp8_e4m3": 8, "fp8_e5m2": 8}[self.value]
+
+
+class PrecisionRule(_Model):
+    """One rule of the precision policy; the first rule that matches a module wins.
+
+    ``pattern`` matches the module's dotted name (``glob`` by default, or ``regex``);
+    ``module_type`` (a class name such as ``"Linear"``), when given, must match as well.
+    """
+
+    pattern: str = "*"
+    match: Literal["glob", "regex"] = "glob"
+    module_type: str | None = None
+    format: WeightFormat
+
+
+class WeightsConfig(_Model):
+    """Low-bit weight storage for the stage's Linear layers, under a precision policy."""
+
+    format: WeightFormat = WeightFormat.none
+    block_size: int = Field(64, description="values per scale; a power of two in [16, 4096]")
+    scale_dtype: Literal["fp32", "bf16"] = "fp32"
+    double_quant: bool = Field(False, description="quantize the block scales to int8 as well")
+    fp8_scale: Literal["block", "tensor"] = "block"
+    mode: Literal["train", "frozen"] = Field(
+        "train", description="train: low-bit compute copy + fp32 master; frozen: low-bit base + LoRA"
+    )
+    lora_rank: int = Field(8, ge=1)
+    lora_alpha: float = Field(16.0, gt=0)
+    keep_first_blocks: int = Field(1, ge=0, description="first N transformer blocks stay high precision")
+    keep_last_blocks: int = Field(1, ge=0, description="last N transformer blocks stay high precision")
+    rules: list[PrecisionRule] = Field(default_factory=list, description="checked before the defaults")
+    optimizer_8bit: bool = Field(False, description="bitsandbytes 8-bit Adam/AdamW states")
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size(cls, v: int) -> int:
+        if v < 16 or v > 4096 or v & (v - 1):
+            raise ValueError(f"block_size={v} is not allowed: use a power of two in [16, 4096]")
+        return v
+
+
+class CodecConfig(_Model):
+    """How one direction of stage-to-stage traffic is compressed.
+
+    ``method``: ``none``; ``quant`` (k-bit min-max, densely packed); ``fp8`` (per-``granularity``
+    scale); ``topk`` (per sample, ``topk_ratio`` of each sample's elements).
+    """
+
+    method: Literal["none", "quant", "fp8", "topk"] = "none"
+    bits: Literal[2, 4, 6, 8] = 8
+    granularity: Literal["sample", "token", "group"] = Field(
+        "token", description="one scale per sample, per token (row) or per group of channels"
+    )
+    group_size: int = Field(128, ge=8)
+    fp8_format: Literal["e4m3", "e5m2"] = "e4m3"
+    topk_ratio: float = Field(0.3, description="fraction of each sample's elements kept, in (0, 1]")
+    reuse_indices: bool = Field(True, description="gradients only: reuse the activation's TopK indices")
+    error_feedback: Literal["none", "ef", "ef21", "ef_mixed"] = "none"
+    compress_eval: bool | None = Field(None, description="None: on for topk and for <= 4 bits")
+
+    @field_validator("topk_ratio")
+    @classmethod
+    def _ratio(cls, v: float) -> float:
+        if not 0.0 < v <= 1.0:
+            raise ValueError(f"topk_ratio={v} is outside (0, 1]: give the fraction of elements to keep")
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @property
+    def eval_compressed(self) -> bool:
+        if self.compress_eval is not None:
+            return self.compress_eval and self.enabled
+        return self.method == "topk" or (self.method == "quant" and self.bits <= 4)
+
+
+class AQSGDConfig(_Model):
+    """AQ-SGD for activations: per-sample buffers keyed by the sample's index in the dataset."""
+
+    enabled: bool = False
+    storage: Literal["memory", "disk"] = "memory"
+    path: str | None = Field(None, description="directory for the memory-mapped buffers (storage=disk)")
+    num_samples: int | None = Field(None, ge=1, description="dataset size; needed for storage=disk")
+    warmup_steps: int = Field(0, ge=0, description="uncompressed steps before AQ-SGD starts")
+
+
+class PartitionConfig(_Model):
+    """Stage boundaries. ``explicit`` takes ``boundaries`` = [0, b1, ..., num_layers]."""
+
+    method: str = Field("parameters", description="parameters | uniform | type:<regex> | explicit")
+    boundaries: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> PartitionConfig:
+        m = self.method
+        if m not in ("parameters", "uniform", "explicit") and not m.startswith("type:"):
+            raise ValueError(
+                f"method={m!r} is not a partition method: use parameters, uniform, type:<regex> or explicit"
+            )
+        if m == "explicit":
+            b = self.boundaries
+            if not b or b[0] != 0 or any(x >= y for x, y in zip(b, b[1:])):
+                raise ValueError(
+                    f"boundaries={b} must be strictly increasing and start at 0, e.g. [0, 5, 10] "
+                    "for 10 layers on 2 stages"
+                )
+        elif self.boundaries is not None:
+            raise ValueError(f"boundaries are only used with method='explicit' (method={m!r})")
+        return self
+
+
+class AutotuneConfig(_Model):
+    """What the autotuner may change and the limits it must respect."""
+
+    memory_budget_gb: float | None = Field(None, gt=0, description="per-stage memory budget")
+    val_loss_tolerance: float = Field(0.01, ge=0, description="relative validation-loss slack vs baseline")
+    max_iterations: int = Field(3, ge=1)
+    trial_steps: int = Field(10, ge=1)
+    micro_batch_sizes: list[int] | None = None
+    schedules: list[str] = Field(default_factory=lambda: ["1f1b"])
+    allow_recompute: bool = True
+    min_gradient_bits: Literal[2, 4, 6, 8] = 8
+    min_activation_bits: Literal[2, 4, 6, 8] = 4
+    profile_cache: str | None = None
+
+
+class PPQConfig(_Model):
+    """The whole ``"ppq"`` section."""
+
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    activations: CodecConfig = Field(default_factory=CodecConfig)
+    gradients: CodecConfig = Field(default_factory=CodecConfig)
+    aqsgd: AQSGDConfig = Field(default_factory=AQSGDConfig)
+    warmup_steps: int = Field(0, ge=0, description="uncompressed steps before compression starts")
+    nonfinite: Literal["error", "skip"] = Field(
+        "error", description="NaN/Inf in a tensor to compress: stop with an error, or skip the step"
+    )
+    partition: PartitionConfig = Field(default_factory=PartitionConfig)
+    autotune: AutotuneConfig = Field(default_factory=AutotuneConfig)
+    plan_file: str | None = None
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> PPQConfig:
+        a, g = self.activations, self.gradients
+        if g.method == "topk" and g.reuse_indices and a.method != "topk":
+            raise ValueError(
+                "gradients.reuse_indices=true needs activations.method='topk' "
+                f"(got activations.method={a.method!r}); set gradients.reuse_indices=false"
+            )
+        if self.aqsgd.enabled and a.method == "none":
+            raise ValueError("aqsgd.enabled=true needs a compressing activations.method (quant, fp8 or topk)")
+        if self.aqsgd.enabled and a.error_feedback != "none":
+            raise ValueError(
+                f"aqsgd.enabled=true replaces error feedback: set activations.error_feedback='none' "
+                f"(got {a.error_feedback!r})"
+            )
+        if self.aqsgd.storage == "disk" and self.aqsgd.enabled and not (
+            self.aqsgd.path and self.aqsgd.num_samples
+        ):
+            raise ValueError("aqsgd.storage='disk' needs aqsgd.path and aqsgd.num_samples")
+        return self
+
+
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The valid field names of the sub-model that ``loc`` (minus its last part) points into."""
+    cur: Any = model
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = getattr(cur, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        args = getattr(ann, "__args__", ())
+        cands = [ann, *args]
+        cur = next((c for c in cands if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if cur is None:
+            return []
+    return list(getattr(cur, "model_fields", {}))
+
+
+def _format_error(err: ValidationError, root: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        dotted = ".".join([root, *(str(p) for p in loc)])
+        if e["type"] == "extra_forbidden":
+            allowed = _fields_at(PPQConfig, loc)
+            close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            lines.append(f"{dotted}: unknown key{hint} (allowed: {', '.join(allowed)})")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            value = e.get("input")
+            # A model-level check already names its fields and values in the message.
+            lines.append(f"{dotted}: {msg}" if isinstance(value, dict) else f"{dotted}={value!r}: {msg}")
+    return "invalid ppq config:\n  " + "\n  ".join(lines)
+
+
+def load_ppq_config(source: PPQConfig | dict | str | None, root: str = "ppq") -> PPQConfig:
+    """Build a ``PPQConfig`` from a dict, a JSON file path, a whole DeepSpeed config or ``None``.
+
+    A dict with a top-level ``"ppq"`` key (a whole DeepSpeed config) is unwrapped.
+
+    Raises:
+        PPQConfigError: naming each bad field, its value and what is allowed.
+    """
+    if isinstance(source, PPQConfig):
+        return source
+    if source is None:
+        return PPQConfig()
+    if isinstance(source, str):
+        with open(source) as f:
+            source = json.load(f)
+    if not isinstance(source, dict):
+        raise PPQConfigError(f"{root}: expected a JSON object, got {type(source).__name__}")
+    if "ppq" in source and isinstance(source["ppq"], dict):
+        source = source["ppq"]
+    try:
+        return PPQConfig.model_validate(source)
+    except ValidationError as err:
+        raise PPQConfigError(_format_error(err, root)) from None
+
+
+def ppq_json_schema() -> dict:
+    """The JSON Schema of the ``"ppq"`` section (exported to ``configs/ppq.schema.json``)."""
+    return PPQConfig.model_json_schema()
+
+
+if __name__ == "__main__":
+    json.dump(ppq_json_schema(), sys.stdout, indent=2)
+    sys.stdout.write("\n")
