@@ -27,7 +27,8 @@ def _transformer_engine() -> str:
     except (ImportError, RuntimeError, OSError) as e:
         return f"not usable ({type(e).__name__})"
     ok, reason = te.is_fp8_available(return_reason=True)
-    return f"{importlib.import_module('transformer_engine').__version__}, fp8 {'yes' if ok else 'no: ' + reason}"
+    version = importlib.import_module("transformer_engine").__version__
+    return f"{version}, fp8 {'yes' if ok else 'no: ' + reason}"
 
 
 def collect_report() -> dict:
