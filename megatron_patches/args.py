@@ -1,0 +1,200 @@
+"""``--ppq-*`` command-line flags for Megatron, generated from the typed ``PPQConfig``.
+
+The flags are not written by hand: :func:`add_ppq_args` walks ``deepspeed_ppq.config.PPQConfig``,
+so the JSON section, the Megatron flags and the CLI cannot drift apart. Nested models become
+prefixes (``weights.format`` -> ``--ppq-weights-format``); enums and literals become ``choices``;
+booleans get ``--ppq-x`` / ``--no-ppq-x``; lists (``weights.rules``, ``partition.boundaries``) are
+JSON strings. ``--ppq-config FILE`` loads a whole ``"ppq"`` section first; flags given on the command
+line override it. A flag left out keeps the config's default.
+
+Usage as Megatron-LM's ``extra_args_provider``::
+
+    from megatron_patches import add_ppq_args
+    pretrain(..., extra_args_provider=add_ppq_args)
+
+Then ``args_to_ppq_config(args)`` gives back a validated ``PPQConfig``, and
+``check_megatron_compatible(cfg, args)`` rejects what Megatron's pipeline cannot carry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+import types
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from deepspeed_ppq.config import PPQConfig, PPQConfigError, load_ppq_config
+
+__all__ = ["PPQFlag", "ppq_flags", "add_ppq_args", "args_to_ppq_config", "check_megatron_compatible",
+           "PPQ_GROUP_TITLE"]
+
+PPQ_GROUP_TITLE = "ppq (deepspeed_ppq: low-bit weights and compressed pipeline traffic)"
+
+
+@dataclass(frozen=True)
+class PPQFlag:
+    """One generated flag: its option string, argparse ``dest`` and the dotted config path."""
+
+    option: str          # "--ppq-weights-format"
+    dest: str            # "ppq_weights_format"
+    path: tuple[str, ...]  # ("weights", "format")
+    kind: str            # "bool" | "choice" | "scalar" | "json"
+    type: Any = None     # converter for scalar/choice flags
+    choices: tuple | None = None
+    help: str = ""
+
+
+def _unwrap_optional(ann: Any) -> Any:
+    """``X | None`` -> ``X``; anything else unchanged."""
+    origin = typing.get_origin(ann)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return ann
+
+
+def _walk(model: type[BaseModel], prefix: tuple[str, ...]) -> Iterator[PPQFlag]:
+    for name, field in model.model_fields.items():
+        path = (*prefix, name)
+        ann = _unwrap_optional(field.annotation)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield from _walk(ann, path)
+            continue
+        option = "--ppq-" + "-".join(p.replace("_", "-") for p in path)
+        dest = "ppq_" + "_".join(path)
+        desc = field.description or ""
+        default = field.get_default(call_default_factory=True)
+        shown = default.value if isinstance(default, enum.Enum) else default
+        help_ = f"{'.'.join(path)}: {desc + '; ' if desc else ''}default {json.dumps(shown)}"
+        if ann is bool:
+            yield PPQFlag(option, dest, path, "bool", help=help_)
+        elif isinstance(ann, type) and issubclass(ann, enum.Enum):
+            yield PPQFlag(option, dest, path, "choice", str, tuple(m.value for m in ann), help_)
+        elif typing.get_origin(ann) is Literal:
+            values = typing.get_args(ann)
+            yield PPQFlag(option, dest, path, "choice", type(values[0]), tuple(values), help_)
+        elif typing.get_origin(ann) in (list, dict):
+            yield PPQFlag(option, dest, path, "json", help=help_ + " (a JSON string)")
+        elif ann in (int, float, str):
+            yield PPQFlag(option, dest, path, "scalar", ann, help=help_)
+        else:  # a new field type in config.py that this walker does not know yet
+            raise TypeError(f"megatron_patches.args: no flag type for ppq field {'.'.join(path)} ({ann!r})")
+
+
+def ppq_flags() -> list[PPQFlag]:
+    """Every ``--ppq-*`` flag generated from ``PPQConfig`` (``--ppq-config`` not included)."""
+    return list(_walk(PPQConfig, ()))
+
+
+def _json_arg(option: str):
+    def parse(text: str):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{option} expects a JSON string, got {text!r} ({e.msg})") from e
+    return parse
+
+
+def add_ppq_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--ppq-*`` flags to ``parser``; usable as Megatron-LM's ``extra_args_provider``.
+
+    Args:
+        parser: the script's argument parser (Megatron's, or any ``argparse`` parser).
+
+    Returns:
+        The same parser (Megatron's ``parse_args`` expects it back).
+    """
+    group = parser.add_argument_group(title=PPQ_GROUP_TITLE)
+    group.add_argument("--ppq-config", dest="ppq_config", default=None, metavar="FILE",
+                       help="JSON file with a whole \"ppq\" section (or a DeepSpeed config that has one); "
+                            "--ppq-* flags override it")
+    for f in ppq_flags():
+        if f.kind == "bool":
+            group.add_argument(f.option, dest=f.dest, default=None, action=argparse.BooleanOptionalAction,
+                               help=f.help)
+        elif f.kind == "choice":
+            group.add_argument(f.option, dest=f.dest, default=None, type=f.type, choices=f.choices,
+                               help=f.help)
+        elif f.kind == "json":
+            group.add_argument(f.option, dest=f.dest, default=None, type=_json_arg(f.option),
+                               metavar="JSON", help=f.help)
+        else:
+            group.add_argument(f.option, dest=f.dest, default=None, type=f.type, help=f.help)
+    return parser
+
+
+def args_to_ppq_config(args: argparse.Namespace) -> PPQConfig:
+    """Build the validated ``PPQConfig`` from parsed arguments.
+
+    Starts from ``--ppq-config`` (or the defaults) and sets every ``--ppq-*`` flag that was given.
+
+    Raises:
+        PPQConfigError: naming the flag's config field, the value and what is allowed.
+    """
+    path = getattr(args, "ppq_config", None)
+    section: dict = load_ppq_config(path).model_dump(mode="json", exclude_unset=True) if path else {}
+    for f in ppq_flags():
+        value = getattr(args, f.dest, None)
+        if value is None:
+            continue
+        node = section
+        for part in f.path[:-1]:
+            node = node.setdefault(part, {})
+        node[f.path[-1]] = value
+    return load_ppq_config(section, root="ppq (from --ppq-* flags)")
+
+
+def _interleaved(args: argparse.Namespace) -> bool:
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    per_vp = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    return bool((vp and vp > 1) or per_stage or (per_vp and per_vp > 1))
+
+
+def check_megatron_compatible(cfg: PPQConfig, args: argparse.Namespace | None = None) -> None:
+    """Reject ppq settings that Megatron's pipeline cannot carry, saying what to change.
+
+    - AQ-SGD keys its buffers by the sample's dataset index; megatron-core's P2P path carries only
+      the activation tensor, so AQ-SGD is not available here.
+    - Error feedback and TopK index reuse keep state per boundary and match gradients to the
+      activations of the same micro-batch in order. The interleaved schedule sends several model
+      chunks' traffic through one communicator in an order the communicator cannot see, so with
+      interleaving only stateless codecs are allowed.
+    - ``use_ring_exchange_p2p`` bypasses ``_communicate``'s send/recv and is not supported with a codec.
+
+    Raises:
+        PPQConfigError: with the flag to change.
+    """
+    problems = []
+    if cfg.aqsgd.enabled:
+        problems.append("--ppq-aqsgd-enabled: AQ-SGD needs each sample's dataset index at the stage "
+                        "boundary, "
+                        "which megatron-core's P2P path does not carry; use error feedback instead "
+                        "(--ppq-activations-error-feedback ef21) and drop --ppq-aqsgd-enabled")
+    compressing = cfg.activations.enabled or cfg.gradients.enabled
+    if args is not None and _interleaved(args) and compressing:
+        for side in ("activations", "gradients"):
+            c = getattr(cfg, side)
+            if c.enabled and c.error_feedback != "none":
+                problems.append(
+                    f"--ppq-{side}-error-feedback {c.error_feedback}: error feedback keeps state per "
+                    "pipeline boundary, which the interleaved schedule does not show the communicator; use "
+                    f"--ppq-{side}-error-feedback none or drop --num-layers-per-virtual-pipeline-stage")
+        g = cfg.gradients
+        if g.method == "topk" and g.reuse_indices:
+            problems.append(
+                "--ppq-gradients-reuse-indices: reusing the activation's TopK indices needs gradients in "
+                "forward order, which the interleaved schedule does not keep; use "
+                "--no-ppq-gradients-reuse-indices or drop --num-layers-per-virtual-pipeline-stage")
+    if args is not None and getattr(args, "use_ring_exchange_p2p", False) and compressing:
+        problems.append("--use-ring-exchange-p2p bypasses the compressed send/recv; drop it to use "
+                        "--ppq-activations-method/--ppq-gradients-method")
+    if problems:
+        raise PPQConfigError("ppq settings that Megatron cannot carry:\n  " + "\n  ".join(problems))
