@@ -1,0 +1,382 @@
+"""Both sides of one compressed (boundary, direction), with their state, and a single-process reference.
+
+``BoundaryEncoder`` lives on the sending stage, ``BoundaryDecoder`` on the receiving stage; each owns
+its half of the state (EF buffer; EF21 ``g``; AQ-SGD per-sample buffers). ``compressed_boundary`` chains
+the four of a boundary in one process: the distributed engines must produce the same numbers as a model
+with it inserted at every stage boundary.
+
+When a message is compressed:
+  * training: always (unless ``uncompressed=True``: the engine's warm-up steps);
+  * evaluation (``training=False``): when ``cfg.eval_compressed``, statelessly (no EF/EF21/AQ-SGD);
+    otherwise raw.
+``nbytes(shape, dtype, training=..., uncompressed=...)`` gives the payload size for either case.
+
+TopK index reuse: an activation encoder keeps the indices it chose in ``last_indices``; its decoder
+exposes the indices it decoded in ``last_indices``. A gradient encoder/decoder built with
+``direction="gradients"`` and ``cfg.reuse_indices`` sends values only: pass the receiving stage's
+decoded indices to ``encode(indices=...)`` and the sending stage's kept indices to
+``decode(indices=...)``. Engines key these by micro-batch buffer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Literal
+
+import torch
+
+from deepspeed_ppq.compress.aqsgd import SampleBuffers
+from deepspeed_ppq.compress.codecs import (
+    PayloadLayout,
+    decode_from,
+    encode_into,
+    payload_layout,
+    payload_status,
+)
+from deepspeed_ppq.compress.feedback import FeedbackState, mixed_topk_indices
+from deepspeed_ppq.config import AQSGDConfig, CodecConfig
+
+__all__ = ["NonFiniteError", "BoundaryEncoder", "BoundaryDecoder", "compressed_boundary"]
+
+_NONE = CodecConfig()
+
+
+class NonFiniteError(FloatingPointError):
+    """A tensor to compress held NaN or Inf and ``ppq.nonfinite`` is ``"error"``."""
+
+
+class _Side:
+    """What encoder and decoder share: config checks, mode selection, counters."""
+
+    role = ""
+
+    def __init__(self, cfg: CodecConfig, *, name: str, aqsgd: AQSGDConfig | None, direction: str):
+        if direction not in ("activations", "gradients"):
+            raise ValueError(f"direction={direction!r}: use 'activations' or 'gradients'")
+        ef = cfg.error_feedback
+        if ef != "none" and cfg.method == "none":
+            raise ValueError(f"{name}: error_feedback={ef!r} needs a compressing method (got method='none')")
+        if ef == "ef_mixed" and cfg.method != "topk":
+            raise ValueError(f"{name}: error_feedback='ef_mixed' needs method='topk' (got {cfg.method!r})")
+        self.aqsgd = aqsgd if aqsgd is not None and aqsgd.enabled else None
+        if self.aqsgd is not None:
+            if direction != "activations":
+                raise ValueError(f"{name}: AQ-SGD applies to activations only (direction={direction!r})")
+            if cfg.method == "none":
+                raise ValueError(f"{name}: aqsgd.enabled=true needs a compressing activations.method")
+            if ef != "none":
+                raise ValueError(f"{name}: aqsgd.enabled=true replaces error feedback (got {ef!r})")
+        self.cfg = cfg
+        self.name = name
+        self.direction = direction
+        self.values_only = direction == "gradients" and cfg.method == "topk" and cfg.reuse_indices
+        self.state = FeedbackState()
+        self.buffers = SampleBuffers(self.aqsgd, name, self.role) if self.aqsgd is not None else None
+        self.last_indices: torch.Tensor | None = None
+        self.raw_bytes = 0
+        self.wire_bytes = 0
+        self.codec_seconds = 0.0
+        self.messages = 0
+
+    def _mode(self, training: bool, uncompressed: bool) -> str:
+        """``raw``, ``plain`` (stateless codec) or ``stateful``."""
+        if not self.cfg.enabled or uncompressed:
+            return "raw"
+        if not training:
+            return "plain" if self.cfg.eval_compressed else "raw"
+        return "stateful"
+
+    def _layout(self, shape, dtype, mode: str) -> PayloadLayout:
+        cfg = _NONE if mode == "raw" else self.cfg
+        return payload_layout(cfg, shape, dtype, values_only=self.values_only and mode != "raw")
+
+    def nbytes(self, shape, dtype, *, training: bool = True, uncompressed: bool = False) -> int:
+        """Payload size of the next message of ``shape``/``dtype`` (what a receiver allocates)."""
+        return self._layout(shape, dtype, self._mode(training, uncompressed)).nbytes
+
+    def _decoded_f32(self, payload, lay, indices) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = torch.empty(lay.shape, dtype=torch.float32)
+        return out, decode_from(self.cfg, payload, lay, out, indices=indices)
+
+    def _count(self, lay: PayloadLayout, t0: float) -> None:
+        self.raw_bytes += math.prod(lay.shape) * lay.dtype.itemsize
+        self.wire_bytes += lay.nbytes
+        self.codec_seconds += time.perf_counter() - t0
+        self.messages += 1
+
+    def reset_state(self) -> None:
+        """Forget EF/EF21 state (not AQ-SGD buffers, which belong to dataset samples)."""
+        self.state.reset()
+
+
+class BoundaryEncoder(_Side):
+    """Sender side of one (boundary, direction).
+
+    Args:
+        cfg: the direction's codec.
+        name: names the boundary and direction in errors and counters, e.g. ``"stage0->1 activations"``.
+        aqsgd: AQ-SGD config (activations only); ignored unless enabled.
+        nonfinite: ``"error"`` raises ``NonFiniteError`` on NaN/Inf; ``"skip"`` flags the payload.
+        direction: ``"activations"`` or ``"gradients"`` (gradients may reuse the activation's TopK indices).
+
+    Attributes:
+        last_indices: TopK indices ``[B, K]`` of the last message (None for other codecs).
+        last_nonfinite: whether the last message was flagged.
+        raw_bytes, wire_bytes, codec_seconds, messages: running counters.
+    """
+
+    role = "send"
+
+    def __init__(
+        self,
+        cfg: CodecConfig,
+        *,
+        name: str,
+        aqsgd: AQSGDConfig | None = None,
+        nonfinite: Literal["error", "skip"] = "error",
+        direction: Literal["activations", "gradients"] = "activations",
+    ):
+        super().__init__(cfg, name=name, aqsgd=aqsgd, direction=direction)
+        if nonfinite not in ("error", "skip"):
+            raise ValueError(f"nonfinite={nonfinite!r}: use 'error' or 'skip'")
+        self.nonfinite = nonfinite
+        self.last_nonfinite = False
+
+    @torch.no_grad()
+    def encode(
+        self,
+        x: torch.Tensor,
+        *,
+        training: bool = True,
+        sample_ids=None,
+        indices: torch.Tensor | None = None,
+        uncompressed: bool = False,
+    ) -> torch.Tensor:
+        """Compress ``x`` into a fresh uint8 payload of ``self.nbytes(x.shape, x.dtype, ...)`` bytes.
+
+        Args:
+            x: the activation or gradient.
+            training: evaluation messages are stateless (and raw unless ``cfg.eval_compressed``).
+            sample_ids: dataset index of each sample of ``x`` (AQ-SGD).
+            indices: values-only TopK gradients: the indices the receiving stage decoded for this
+                micro-batch's activation.
+            uncompressed: send raw (warm-up steps); AQ-SGD buffers are filled with ``x``.
+
+        Raises:
+            NonFiniteError: NaN/Inf in ``x`` with ``nonfinite="error"``.
+        """
+        t0 = time.perf_counter()
+        mode = self._mode(training, uncompressed)
+        lay = self._layout(x.shape, x.dtype, mode)
+        if indices is not None and not lay.values_only:
+            raise ValueError(
+                f"{self.name}: indices= given, but this encoder picks its own (it needs method='topk', "
+                "reuse_indices=true and direction='gradients')"
+            )
+        if lay.values_only and indices is None:
+            raise ValueError(f"{self.name}: TopK gradients reuse the activation's indices: pass indices=")
+        payload = torch.empty(lay.nbytes, dtype=torch.uint8)
+        x = x.detach()
+        if mode == "raw":
+            encode_into(_NONE, x, payload, lay)
+            if self.buffers is not None and training:
+                self.buffers.scatter(sample_ids, x.float())
+            self.last_indices = None
+            self._finish(payload, lay, t0)
+            return payload
+        if mode == "plain":
+            self.last_indices = encode_into(self.cfg, x, payload, lay, indices=indices)
+            self._finish(payload, lay, t0)
+            return payload
+
+        ef = self.cfg.error_feedback
+        base = None
+        if self.buffers is not None:
+            base = self.buffers.gather(sample_ids, x.shape[1:])
+            msg = x.float() - base
+        elif ef in ("ef", "ef_mixed"):
+            msg = x.float() + self.state.get(x.shape)
+        elif ef == "ef21":
+            msg = x.float() - self.state.get(x.shape)
+        else:
+            msg = x
+        if ef == "ef_mixed" and indices is None:
+            B = x.shape[0]
+            indices = mixed_topk_indices(x.reshape(B, -1), self.state.get(x.shape).view(B, -1), lay.k)
+        full = encode_into(self.cfg, msg.to(x.dtype), payload, lay, indices=indices)
+        self.last_indices = full
+        if self._finish(payload, lay, t0, account=False) and (ef != "none" or base is not None):
+            dec, _ = self._decoded_f32(payload, lay, full)
+            if base is not None:
+                self.buffers.scatter(sample_ids, base + dec)
+            elif ef == "ef21":
+                self.state.buf += dec
+            else:
+                self.state.buf = msg - dec
+        self._count(lay, t0)
+        return payload
+
+    def _finish(self, payload, lay, t0, account: bool = True) -> bool:
+        """Apply the non-finite policy; returns whether the payload is clean."""
+        bad = payload_status(payload) != 0
+        self.last_nonfinite = bad
+        if bad and self.nonfinite == "error":
+            raise NonFiniteError(
+                f"{self.name}: NaN or Inf in the tensor to compress (shape {lay.shape}, "
+                "ppq.nonfinite='error'); set ppq.nonfinite='skip' to skip such steps instead"
+            )
+        if account:
+            self._count(lay, t0)
+        return not bad
+
+
+class BoundaryDecoder(_Side):
+    """Receiver side of one (boundary, direction); mirrors the encoder's EF21 / AQ-SGD state.
+
+    Args: as ``BoundaryEncoder`` (no ``nonfinite``: a flagged payload always decodes to NaN).
+
+    Attributes:
+        last_indices: TopK indices ``[B, K]`` of the last message (decoded, or the ones given).
+        last_nonfinite: whether the last payload was flagged by its sender.
+    """
+
+    role = "recv"
+
+    def __init__(
+        self,
+        cfg: CodecConfig,
+        *,
+        name: str,
+        aqsgd: AQSGDConfig | None = None,
+        direction: Literal["activations", "gradients"] = "activations",
+    ):
+        super().__init__(cfg, name=name, aqsgd=aqsgd, direction=direction)
+        self.last_nonfinite = False
+
+    @torch.no_grad()
+    def decode(
+        self,
+        payload: torch.Tensor,
+        shape,
+        dtype: torch.dtype,
+        *,
+        training: bool = True,
+        sample_ids=None,
+        indices: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        uncompressed: bool = False,
+    ) -> torch.Tensor:
+        """Reconstruct the tensor of ``shape``/``dtype`` from ``payload`` (into ``out`` when given).
+
+        Args:
+            indices: values-only TopK gradients: the indices this stage's activation encoder kept for
+                the micro-batch.
+            Others as ``BoundaryEncoder.encode``.
+
+        Returns:
+            ``out`` (or a new tensor); NaN-filled when the sender flagged non-finite values.
+        """
+        t0 = time.perf_counter()
+        mode = self._mode(training, uncompressed)
+        lay = self._layout(shape, dtype, mode)
+        if out is None:
+            out = torch.empty(lay.shape, dtype=dtype)
+        elif tuple(out.shape) != lay.shape or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {dtype} tensor of shape {lay.shape}, got {out.dtype} "
+                             f"{tuple(out.shape)}")
+        if lay.values_only and indices is None and mode != "raw":
+            raise ValueError(f"{self.name}: TopK gradients carry values only: pass the activation's indices=")
+        if payload.dtype != torch.uint8 or payload.numel() != lay.nbytes:
+            raise ValueError(
+                f"{self.name}: payload has {payload.numel()} {payload.dtype} elements, expected {lay.nbytes} "
+                f"uint8 for shape {lay.shape} {dtype} (mode {mode}); do both stages use the same codec?"
+            )
+        payload = payload.reshape(-1)
+        if payload_status(payload) != 0:
+            self.last_nonfinite = True
+            out.fill_(float("nan"))
+            self.last_indices = None
+            self._count(lay, t0)
+            return out
+        self.last_nonfinite = False
+        if mode == "raw":
+            decode_from(_NONE, payload, lay, out)
+            if self.buffers is not None and training:
+                self.buffers.scatter(sample_ids, out.float())
+            self.last_indices = None
+        elif mode == "plain" or (self.buffers is None and self.cfg.error_feedback != "ef21"):
+            self.last_indices = decode_from(self.cfg, payload, lay, out, indices=indices)
+        else:
+            dec, self.last_indices = self._decoded_f32(payload, lay, indices)
+            if self.buffers is not None:
+                full = self.buffers.gather(sample_ids, shape[1:]) + dec
+                self.buffers.scatter(sample_ids, full)
+            else:
+                g = self.state.get(lay.shape)
+                g += dec
+                full = g
+            out.copy_(full)
+        self._count(lay, t0)
+        return out
+
+
+class _CompressedBoundary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, act_enc, act_dec, grad_enc, grad_dec, sample_ids, training, uncompressed):
+        ctx.grad_sides = (grad_enc, grad_dec)
+        ctx.uncompressed = uncompressed
+        if act_enc is None:
+            ctx.idx = (None, None)
+            return x.clone()
+        payload = act_enc.encode(x, training=training, sample_ids=sample_ids, uncompressed=uncompressed)
+        y = act_dec.decode(payload, x.shape, x.dtype, training=training, sample_ids=sample_ids,
+                           uncompressed=uncompressed)
+        ctx.idx = (act_enc.last_indices, act_dec.last_indices)  # (sender kept, receiver decoded)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        grad_enc, grad_dec = ctx.grad_sides
+        if grad_enc is None:
+            return gy, None, None, None, None, None, None, None
+        sent, received = ctx.idx
+        reuse = grad_enc.values_only and not ctx.uncompressed
+        gy = gy.contiguous()
+        payload = grad_enc.encode(gy, indices=received if reuse else None, uncompressed=ctx.uncompressed)
+        gx = grad_dec.decode(payload, gy.shape, gy.dtype, indices=sent if reuse else None,
+                             uncompressed=ctx.uncompressed)
+        return gx, None, None, None, None, None, None, None
+
+
+def compressed_boundary(
+    x: torch.Tensor,
+    act_enc: BoundaryEncoder | None,
+    act_dec: BoundaryDecoder | None,
+    grad_enc: BoundaryEncoder | None,
+    grad_dec: BoundaryDecoder | None,
+    *,
+    sample_ids=None,
+    training: bool = True,
+    uncompressed: bool = False,
+) -> torch.Tensor:
+    """Single-process reference of one compressed stage boundary.
+
+    Forward encodes and decodes ``x`` with the activation pair; backward encodes and decodes the
+    incoming gradient with the gradient pair (values only at the activation's indices when the
+    gradient side reuses them). A ``None`` pair leaves that direction uncompressed.
+
+    Args:
+        x: the boundary activation.
+        sample_ids: dataset indices of the samples in ``x`` (AQ-SGD).
+        training: evaluation uses the codec only when ``cfg.eval_compressed``.
+        uncompressed: warm-up step: both directions raw.
+
+    Returns:
+        The reconstructed activation (differentiable w.r.t. ``x``).
+    """
+    if (act_enc is None) != (act_dec is None) or (grad_enc is None) != (grad_dec is None):
+        raise ValueError("compressed_boundary needs both or neither of the encoder/decoder of each direction")
+    return _CompressedBoundary.apply(
+        x, act_enc, act_dec, grad_enc, grad_dec, sample_ids, training, uncompressed
+    )

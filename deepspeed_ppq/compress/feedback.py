@@ -1,0 +1,54 @@
+"""Error-feedback state of one boundary direction (one global buffer per sender, as in the study).
+
+* ``ef``: the sender keeps ``e``; it sends ``C(x + e)`` and sets ``e = (x + e) - D(C(x + e))``.
+* ``ef21``: both sides keep ``g`` (zero at start); the sender sends ``C(x - g)``; both add the decoded
+  message to ``g``; the receiver's output is ``g``. The two ``g`` stay bit-identical because both add the
+  same decoded bytes.
+* ``ef_mixed`` (TopK only): like ``ef``, but of the K indices sent per sample, ``ceil(K/2)`` are the
+  largest of ``|x|`` and the other ``floor(K/2)`` the largest of ``|e|`` among the rest; the values sent are
+  those of ``x + e`` at these indices.
+
+A buffer whose shape no longer matches the message (for example a shorter last micro-batch) restarts
+from zero on both sides; this is deterministic, so EF21's two copies stay equal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepspeed_ppq.compress import ops
+
+__all__ = ["FeedbackState", "mixed_topk_indices"]
+
+
+class FeedbackState:
+    """One fp32 buffer (``e`` for EF/EF-mixed, ``g`` for EF21) that follows the message shape."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+
+    def get(self, shape) -> torch.Tensor:
+        shape = tuple(shape)
+        if self.buf is None or tuple(self.buf.shape) != shape:
+            self.buf = torch.zeros(shape, dtype=torch.float32)
+        return self.buf
+
+    def reset(self) -> None:
+        self.buf = None
+
+
+def mixed_topk_indices(x: torch.Tensor, e: torch.Tensor, k: int) -> torch.Tensor:
+    """EF-mixed selection on ``[B, L]``: ``ceil(k/2)`` largest ``|x|`` plus ``floor(k/2)`` largest ``|e|``
+    among the remaining indices; int64 ``[B, k]`` in ascending order (ties to the lower index)."""
+    B, L = x.shape
+    k1 = (k + 1) // 2
+    k2 = k - k1
+    s1 = torch.empty(B, k1, dtype=torch.int64)
+    ignored = torch.empty(B, k1, dtype=x.dtype), torch.empty(1, dtype=torch.uint8)
+    ops.topk_encode(x.contiguous(), k1, ignored[0], s1, ignored[1])
+    if k2 == 0:
+        return s1
+    key = e.abs().float()
+    key.scatter_(1, s1, -1.0)  # already chosen: below every |e|
+    s2 = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :k2]
+    return torch.cat([s1, s2], 1).sort(dim=1).values
