@@ -1,0 +1,47 @@
+"""Low-bit weights for pipeline stages: formats, the quantized linear layer, the precision policy,
+the memory ledger and optimizers with 8-bit states.
+
+* ``formats``: ``QuantizedWeight`` and ``quantize_weight`` (int8, int4, nf4, fp8; blockwise).
+* ``linear``: ``QuantLinear`` ("train": low-bit compute copy + fp32 master; "frozen": + LoRA),
+  ``convert_model``.
+* ``policy``: ``PrecisionPolicy``, ``plan``, ``explain`` (which layer gets which format).
+* ``ledger``: ``MemoryLedger``, ``ledger_from_model``, ``ledger_from_shapes``, ``measure_storage``.
+* ``optim``: ``build_optimizer`` (adam, adamw, adam8bit, adamw8bit, sgd), ``requantize_after_step``.
+"""
+
+from deepspeed_ppq.quant.formats import QuantizedWeight, quantize_weight
+from deepspeed_ppq.quant.ledger import (
+    MemoryLedger,
+    ParamSpec,
+    ledger_from_model,
+    ledger_from_shapes,
+    measure_storage,
+    weight_storage_bytes,
+)
+from deepspeed_ppq.quant.linear import QuantLinear, convert_model, lora_parameters, requantize_model
+from deepspeed_ppq.quant.optim import OPTIMIZER_KINDS, build_optimizer, requantize_after_step
+from deepspeed_ppq.quant.policy import LayerDecision, PrecisionPolicy, as_policy, block_index, explain, plan
+
+__all__ = [
+    "QuantizedWeight",
+    "quantize_weight",
+    "QuantLinear",
+    "convert_model",
+    "requantize_model",
+    "lora_parameters",
+    "PrecisionPolicy",
+    "LayerDecision",
+    "as_policy",
+    "block_index",
+    "plan",
+    "explain",
+    "MemoryLedger",
+    "ParamSpec",
+    "ledger_from_model",
+    "ledger_from_shapes",
+    "measure_storage",
+    "weight_storage_bytes",
+    "OPTIMIZER_KINDS",
+    "build_optimizer",
+    "requantize_after_step",
+]

@@ -1,0 +1,381 @@
+"""Memory ledger: exact bytes of a stage's weights, gradients, masters and optimizer states.
+
+Two ways to the same shape of answer, a ``MemoryLedger`` (category -> bytes):
+
+* analytic, without allocating anything: ``ledger_from_model`` (a model and a policy/config; the
+  model may be on the ``meta`` device) and ``ledger_from_shapes`` (a list of
+  ``(name, shape, format)`` for a model that is never built; the autotuner and simulator use it);
+* measured: ``measure_storage(model, optimizer)`` walks a live model and optimizer and adds up the
+  storage bytes of every tensor they hold (each storage counted once).
+
+Categories (dotted; ``MemoryLedger.groups()`` sums by the first part):
+
+=================================  ============================================================
+``weights.dense.<dtype>``          parameters kept in the training dtype (norms, embeddings, LM
+                                   head, biases, layers the policy keeps, LoRA adapters)
+``weights.<fmt>.codes``            low-bit codes of the compute copy (int8: 1 B, int4/nf4: 1/2 B)
+``weights.<fmt>.scales``           their block scales (fp32 or bf16; double-quant extras included)
+``master_weights``                 fp32 master of each "train"-mode low-bit layer (its
+                                   ``nn.Parameter``; the optimizer updates it)
+``gradients``                      one gradient per trainable parameter, in its dtype
+``optimizer.state``                full-precision moments (fp32 Adam: 8 B/param)
+``optimizer.state_8bit``           8-bit moments (2 B/param) ...
+``optimizer.absmax``               ... and their fp32 block absmax (2 x 4 B per 256 values)
+``optimizer.qmap``                 the two shared 8-bit code maps (2 KiB per optimizer)
+``optimizer.step``                 torch Adam's 0-dim fp32 ``step`` per tensor
+``buffers``                        module buffers (masks, running stats)
+=================================  ============================================================
+
+Accounting of a "train"-mode low-bit layer with fp32 Adam, per weight element: master 4 B +
+gradient 4 B + Adam 8 B + codes (1 B int8, 0.5 B int4) + scales; the dense fp32 layer has 16 B.
+The low-bit compute copy pays off with 8-bit states (-6 B), in "frozen" mode (codes + scales
+only: no master, gradient or state) and for the bytes the forward pass reads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from deepspeed_ppq.config import WeightFormat, WeightsConfig
+from deepspeed_ppq.quant.optim import (
+    optimizer_shared_bytes,
+    optimizer_state_bytes,
+    underlying_optimizer,
+)
+
+__all__ = [
+    "MemoryLedger",
+    "ParamSpec",
+    "weight_storage_bytes",
+    "ledger_from_shapes",
+    "ledger_from_model",
+    "measure_storage",
+]
+
+_CODE_BYTES_X2 = {"int8": 2, "fp8_e4m3": 2, "fp8_e5m2": 2, "int4": 1, "nf4": 1}  # 2 x bytes/value
+_DQ_BLOCK = 256  # double quantization: uint8 scale codes in blocks of 256, one fp32 scale each
+
+
+def weight_storage_bytes(
+    shape: Sequence[int],
+    fmt: WeightFormat | str,
+    block_size: int = 64,
+    scale_dtype: str = "fp32",
+    double_quant: bool = False,
+    fp8_scale: str = "block",
+) -> dict[str, int]:
+    """Exact bytes of a low-bit weight's storage: ``{"codes": ..., "scales": ...}``.
+
+    Blocks run over the flattened weight (the last may be partial); int4/nf4 pack two codes per
+    byte. FP8 with ``fp8_scale="tensor"`` has one scale. With ``double_quant`` the scales are uint8
+    codes plus one fp32 scale per 256 of them (``scale_dtype`` is then unused), as in ``quant.formats``.
+    """
+    fmt = WeightFormat(fmt)
+    if fmt == WeightFormat.none:
+        raise ValueError("weight_storage_bytes: format 'none' has no low-bit storage")
+    n = math.prod(shape)
+    codes = math.ceil(n * _CODE_BYTES_X2[fmt.value] / 2)
+    per_tensor = fmt.value.startswith("fp8") and fp8_scale == "tensor"
+    nb = 1 if per_tensor else math.ceil(n / block_size)
+    if double_quant:
+        scales = nb + math.ceil(nb / _DQ_BLOCK) * 4
+    else:
+        scales = nb * (4 if scale_dtype == "fp32" else 2)
+    return {"codes": codes, "scales": scales}
+
+
+@dataclass
+class MemoryLedger:
+    """Bytes by category (see the module docstring); add ledgers to sum stages."""
+
+    bytes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, category: str, nbytes: int) -> None:
+        if nbytes:
+            self.bytes[category] = self.bytes.get(category, 0) + int(nbytes)
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    def groups(self) -> dict[str, int]:
+        """Bytes by top-level category: weights, master_weights, gradients, optimizer, buffers."""
+        out: dict[str, int] = {}
+        for k, v in self.bytes.items():
+            top = k.split(".", 1)[0]
+            out[top] = out.get(top, 0) + v
+        return out
+
+    def __getitem__(self, category: str) -> int:
+        """Bytes of a category or of every category under a dotted prefix (``ledger["weights"]``)."""
+        return sum(v for k, v in self.bytes.items() if k == category or k.startswith(category + "."))
+
+    def __add__(self, other: MemoryLedger) -> MemoryLedger:
+        out = MemoryLedger(dict(self.bytes))
+        for k, v in other.bytes.items():
+            out.add(k, v)
+        return out
+
+    def to_dict(self) -> dict:
+        return {"bytes": dict(sorted(self.bytes.items())), "groups": self.groups(), "total": self.total}
+
+    def table(self, title: str = "memory ledger") -> str:
+        """A fixed-width table: category, bytes, MiB, share of the total."""
+        tot = self.total or 1
+        rows = [(k, v) for k, v in sorted(self.bytes.items())]
+        w = max([len(k) for k, _ in rows] + [8])
+        lines = [title, f"{'category'.ljust(w)}  {'bytes':>14}  {'MiB':>9}  {'share':>6}"]
+        lines += [f"{k.ljust(w)}  {v:>14,}  {v / 2**20:>9.3f}  {100 * v / tot:>5.1f}%" for k, v in rows]
+        lines.append(f"{'total'.ljust(w)}  {self.total:>14,}  {self.total / 2**20:>9.3f}  100.0%")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter tensor of a model description.
+
+    ``format`` is the low-bit storage of a weight (``none``: dense); ``mode`` is ``"train"``
+    (fp32 master, trained) or ``"frozen"`` (low-bit base only; add ``lora`` adapters).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    format: WeightFormat = WeightFormat.none
+    dtype: torch.dtype = torch.float32
+    trainable: bool = True
+    mode: str = "train"
+
+
+def _as_spec(entry) -> ParamSpec:
+    if isinstance(entry, ParamSpec):
+        return entry
+    if not isinstance(entry, (tuple, list)) or len(entry) < 2:
+        raise TypeError(f"ledger entry {entry!r}: expected ParamSpec or (name, shape, format[, dtype])")
+    name, shape, *rest = entry
+    fmt = rest[0] if rest else WeightFormat.none
+    try:
+        fmt = WeightFormat(fmt if fmt is not None else "none")
+    except ValueError:
+        allowed = ", ".join(f.value for f in WeightFormat)
+        raise ValueError(
+            f"ledger entry {name!r}: format={fmt!r} is not a weight format; allowed: {allowed}"
+        ) from None
+    dtype = rest[1] if len(rest) > 1 else torch.float32
+    return ParamSpec(str(name), tuple(int(s) for s in shape), fmt, dtype)
+
+
+def ledger_from_shapes(
+    entries: Iterable,
+    weights_cfg: WeightsConfig | None = None,
+    optimizer: str | None = "adam",
+    gradients: bool = True,
+    momentum: float = 0.0,
+    min_8bit_size: int = 4096,
+    buffers_bytes: int = 0,
+) -> MemoryLedger:
+    """Predict a stage's bytes from parameter shapes alone; nothing is allocated.
+
+    Args:
+        entries: ``ParamSpec``s or ``(name, shape, format[, dtype])`` tuples, one per parameter
+            tensor (a weight and its bias are two entries; biases are always dense).
+        weights_cfg: block size, scale dtype, double quantization, FP8 scale, mode and LoRA rank of
+            the low-bit entries (defaults of ``WeightsConfig`` when None). ``mode="frozen"`` adds
+            two LoRA adapters (``rank x in``, ``out x rank``, dense fp32, trainable) per low-bit 2-D weight.
+        optimizer: one of ``OPTIMIZER_KINDS``, or None for no optimizer states.
+        gradients: count a gradient per trainable parameter (as after ``backward``).
+        buffers_bytes: bytes of module buffers to include as ``buffers``.
+
+    Returns:
+        The ``MemoryLedger``.
+    """
+    cfg = weights_cfg or WeightsConfig()
+    led = MemoryLedger()
+    trained: list[tuple[int, torch.dtype]] = []
+    for e in entries:
+        s = _as_spec(e)
+        n = math.prod(s.shape)
+        if s.format == WeightFormat.none:
+            led.add(f"weights.dense.{_dtype_name(s.dtype)}", n * s.dtype.itemsize)
+            if s.trainable:
+                trained.append((n, s.dtype))
+            continue
+        for part, b in weight_storage_bytes(
+            s.shape, s.format, cfg.block_size, cfg.scale_dtype, cfg.double_quant, cfg.fp8_scale
+        ).items():
+            led.add(f"weights.{s.format.value}.{part}", b)
+        mode = s.mode if isinstance(e, ParamSpec) else cfg.mode
+        if mode == "train":
+            led.add("master_weights", n * 4)
+            trained.append((n, torch.float32))
+        else:
+            out_f, in_f = s.shape[0], math.prod(s.shape[1:])
+            for lora_n in (cfg.lora_rank * in_f, out_f * cfg.lora_rank):
+                led.add("weights.dense.float32", lora_n * 4)
+                trained.append((lora_n, torch.float32))
+    if gradients:
+        led.add("gradients", sum(n * dt.itemsize for n, dt in trained))
+    if optimizer is not None:
+        for n, dt in trained:
+            for k, b in optimizer_state_bytes(n, dt, optimizer, momentum, min_8bit_size).items():
+                led.add(k, b)
+        for k, b in optimizer_shared_bytes(optimizer, [n for n, _ in trained], min_8bit_size).items():
+            led.add(k, b)
+    led.add("buffers", buffers_bytes)
+    return led
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _model_specs(model: nn.Module, weights_cfg, **policy_kwargs) -> tuple[list[ParamSpec], WeightsConfig]:
+    """Parameter specs of a model: converted ``QuantLinear`` layers as they are, plain ``nn.Linear``
+    layers as the policy would convert them, everything else dense."""
+    from deepspeed_ppq.quant.linear import QuantLinear
+    from deepspeed_ppq.quant.policy import as_policy, plan
+
+    decisions = {}
+    cfg = WeightsConfig()
+    if weights_cfg is not None:
+        pol = as_policy(weights_cfg, **policy_kwargs)
+        cfg = pol.weights
+        decisions = {d.name: d for d in plan(model, pol) if d.quantized}
+    specs: list[ParamSpec] = []
+    seen: set[int] = set()
+    for mname, mod in model.named_modules():
+        if isinstance(mod, QuantLinear):
+            shape = (mod.out_features, mod.in_features)
+            specs.append(ParamSpec(f"{mname}.weight", shape, mod.format, torch.float32, True, mod.mode))
+            if mod.mode == "frozen":
+                # the adapters are added by ledger_from_shapes from the base shape and lora_rank
+                seen.update((id(mod.lora_A), id(mod.lora_B)))
+            if mod.mode == "train":
+                seen.add(id(mod.weight))
+            if mod.bias is not None:
+                seen.add(id(mod.bias))
+                specs.append(
+                    ParamSpec(
+                        f"{mname}.bias",
+                        tuple(mod.bias.shape),
+                        WeightFormat.none,
+                        mod.bias.dtype,
+                        mod.bias.requires_grad,
+                    )
+                )
+            cfg = mod.weights_cfg if weights_cfg is None else cfg
+            continue
+        for pname, p in mod.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            d = decisions.get(mname) if pname == "weight" else None
+            if d is not None:
+                specs.append(
+                    ParamSpec(f"{mname}.weight", tuple(p.shape), d.format, torch.float32, True, cfg.mode)
+                )
+            else:
+                trainable = p.requires_grad and not (
+                    cfg.mode == "frozen" and decisions.get(mname) is not None
+                )
+                specs.append(
+                    ParamSpec(f"{mname}.{pname}", tuple(p.shape), WeightFormat.none, p.dtype, trainable)
+                )
+    return specs, cfg
+
+
+def ledger_from_model(
+    model: nn.Module,
+    weights_cfg=None,
+    optimizer: str | None = "adam",
+    gradients: bool = True,
+    momentum: float = 0.0,
+    min_8bit_size: int = 4096,
+    **policy_kwargs,
+) -> MemoryLedger:
+    """Predict the bytes of ``model`` trained under ``weights_cfg``, without allocating.
+
+    Args:
+        model: plain or already converted (``convert_model``); may live on the ``meta`` device.
+        weights_cfg: a ``WeightsConfig``/``PrecisionPolicy``/dict applied to its plain ``nn.Linear``
+            layers; None counts the model as it is (converted layers with their own config).
+        optimizer, gradients, momentum, min_8bit_size: as in ``ledger_from_shapes``.
+        **policy_kwargs: ``block_layers``/``num_blocks`` for the policy.
+
+    Returns:
+        The ``MemoryLedger`` (``measure_storage`` on the live model after a step gives the same).
+    """
+    specs, cfg = _model_specs(model, weights_cfg, **policy_kwargs)
+    buf = sum(b.numel() * b.element_size() for b in model.buffers())
+    return ledger_from_shapes(specs, cfg, optimizer, gradients, momentum, min_8bit_size, buf)
+
+
+def measure_storage(model: nn.Module, optimizer=None) -> MemoryLedger:
+    """Add up the storage bytes a live model and optimizer hold, by ledger category.
+
+    Every storage is counted once (tied weights, shared code maps), in the first category that
+    reaches it. ``model`` may be a DeepSpeed engine (its ``module`` and ``basic_optimizer`` are used).
+
+    Args:
+        model: the module (or engine).
+        optimizer: a torch/bitsandbytes optimizer, a DeepSpeed engine or wrapper, or None.
+    """
+    from deepspeed_ppq.quant.linear import QuantLinear
+
+    if optimizer is None and hasattr(model, "basic_optimizer"):
+        optimizer = model.basic_optimizer
+    if hasattr(model, "module") and not isinstance(model, QuantLinear) and hasattr(model, "basic_optimizer"):
+        model = model.module
+    led = MemoryLedger()
+    seen: set[tuple[str, int]] = set()
+
+    def count(cat: str, t: torch.Tensor | None) -> None:
+        if t is None or not isinstance(t, torch.Tensor):
+            return
+        st = t.untyped_storage()
+        key = (str(t.device), st.data_ptr())
+        if key in seen or st.nbytes() == 0:
+            return
+        seen.add(key)
+        led.add(cat, st.nbytes())
+
+    params: list[nn.Parameter] = []
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            for name, t in mod.qweight.storage_tensors().items():
+                count(f"weights.{mod.format.value}.{'codes' if name == 'qdata' else 'scales'}", t)
+            if mod.mode == "train":
+                count("master_weights", mod.weight)
+                params.append(mod.weight)
+        for p in mod.parameters(recurse=False):
+            count(f"weights.dense.{_dtype_name(p.dtype)}", p)
+            params.append(p)
+        for b in mod.buffers(recurse=False):
+            count("buffers", b)
+    for p in params:
+        count("gradients", p.grad)
+    if optimizer is not None:
+        opt = underlying_optimizer(optimizer)
+        for state in opt.state.values():
+            for key, t in state.items():
+                if not isinstance(t, torch.Tensor):
+                    continue
+                if key == "step":
+                    cat = "optimizer.step"
+                elif key.startswith("qmap"):
+                    cat = "optimizer.qmap"
+                elif key.startswith("absmax"):
+                    cat = "optimizer.absmax"
+                elif t.dtype == torch.uint8:
+                    cat = "optimizer.state_8bit"
+                else:
+                    cat = "optimizer.state"
+                count(cat, t)
+    return led

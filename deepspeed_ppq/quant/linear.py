@@ -1,0 +1,281 @@
+"""``QuantLinear``: a linear layer whose compute weight is stored low-bit, for training and fine-tuning.
+
+Two modes (``WeightsConfig.mode``):
+
+* ``"train"``: the layer holds an fp32 master weight (``self.weight``, an ``nn.Parameter`` that the
+  optimizer updates) and a low-bit compute copy (``self.qweight``, a ``QuantizedWeight``). Forward
+  and backward dequantize the compute copy on the fly inside ``_DequantLinear`` (a
+  ``torch.autograd.Function``); the dequantized weight is never saved for backward, it is rebuilt
+  there. The master's gradient is straight-through, ``grad_W = grad_y^T x``. After every optimizer
+  step the compute copy must be refreshed from the master: ``requantize_after_step(optimizer,
+  model)`` (``quant.optim``) does it with a step post-hook, for a plain optimizer and a DeepSpeed
+  engine alike.
+* ``"frozen"``: only the low-bit base is kept (no master, no weight gradient), plus trainable LoRA
+  adapters ``y = x W^T + b + (alpha / r) (x A^T) B^T`` with ``A`` [r, in] (Kaiming init) and ``B``
+  [out, r] (zeros). The bias is frozen too.
+
+Memory (see ``quant.ledger``): "train" keeps master (4 B/value) + codes + scales + the master's
+gradient and optimizer state; "frozen" keeps codes + scales and the small adapters. The dequantized
+weight lives only for the duration of one matmul, in a buffer shared by all layers of the same shape,
+dtype and device (``_workspace``) -- the forward and backward of different layers never overlap.
+
+``convert_model(model, policy)`` swaps the ``nn.Linear`` layers the precision policy selects.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepspeed_ppq.config import WeightFormat, WeightsConfig
+from deepspeed_ppq.quant.formats import QuantizedWeight, quantize_weight
+
+__all__ = ["QuantLinear", "convert_model", "requantize_model", "lora_parameters"]
+
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
+_WORKSPACE: dict[tuple, torch.Tensor] = {}
+
+
+def _workspace(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A dense buffer reused for every dequantization of this shape/dtype/device."""
+    key = (tuple(shape), dtype, str(device))
+    buf = _WORKSPACE.get(key)
+    if buf is None:
+        buf = _WORKSPACE[key] = torch.empty(shape, dtype=dtype, device=device)
+    return buf
+
+
+def _dequantized(layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
+    return layer.qweight.dequantize(out=_workspace(layer.qweight.shape, dtype, layer.qweight.qdata.device))
+
+
+class _DequantLinear(torch.autograd.Function):
+    """y = x W^T + b with W dequantized on the fly (forward and again in backward).
+
+    Inputs: x [..., in] (fp32 or bf16), master [out, in] fp32 or None (frozen), bias [out] or None.
+    Returns grads for x, the master (``grad_y^T x``, straight-through) and the bias.
+    """
+
+    @staticmethod
+    def forward(ctx, x, master, bias, layer):
+        w = _dequantized(layer, x.dtype)
+        b = bias.to(x.dtype) if bias is not None else None
+        y = F.linear(x, w, b)
+        ctx.layer = layer
+        ctx.version = layer.quant_version
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x if master is not None and master.requires_grad else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        layer = ctx.layer
+        if layer.quant_version != ctx.version:
+            raise RuntimeError(
+                "QuantLinear: the compute weight was re-quantized between forward and backward "
+                "(optimizer.step() before backward finished?); the gradient would use the wrong weight"
+            )
+        (x,) = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_y.matmul(_dequantized(layer, grad_y.dtype))
+        if ctx.needs_input_grad[1]:
+            g2 = grad_y.reshape(-1, grad_y.shape[-1])  # [N, out]
+            x2 = x.reshape(-1, x.shape[-1])  # [N, in]
+            grad_w = g2.t().mm(x2).to(layer.weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_y.reshape(-1, grad_y.shape[-1]).sum(0).to(layer.bias.dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+class QuantLinear(nn.Module):
+    """A linear layer with a low-bit compute weight (see the module docstring).
+
+    Args:
+        in_features, out_features, bias: as ``nn.Linear``.
+        fmt: the low-bit ``WeightFormat`` (not ``none``).
+        weights_cfg: block size, scale dtype, double quantization, FP8 scale, mode and LoRA settings.
+        weight: initial weight [out, in] (default: ``nn.Linear``'s init).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        fmt: WeightFormat | str = WeightFormat.int8,
+        weights_cfg: WeightsConfig | None = None,
+        weight: torch.Tensor | None = None,
+        device=None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        cfg = weights_cfg or WeightsConfig()
+        fmt = WeightFormat(fmt)
+        if fmt == WeightFormat.none:
+            raise ValueError("QuantLinear needs a low-bit format; fmt='none' means keep nn.Linear")
+        self.in_features, self.out_features = in_features, out_features
+        self.format, self.mode, self.weights_cfg = fmt, cfg.mode, cfg
+        self.dense_dtype = dtype or (weight.dtype if weight is not None else torch.float32)
+        if weight is None:
+            ref = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=torch.float32)
+            weight, init_bias = ref.weight.detach(), (ref.bias.detach() if bias else None)
+        else:
+            if tuple(weight.shape) != (out_features, in_features):
+                raise ValueError(
+                    f"weight has shape {tuple(weight.shape)}, expected {(out_features, in_features)}"
+                )
+            init_bias = torch.zeros(out_features, device=weight.device) if bias else None
+        master = weight.detach().to(torch.float32)
+        self.qweight: QuantizedWeight = quantize_weight(
+            master,
+            fmt,
+            cfg.block_size,
+            cfg.scale_dtype,
+            cfg.double_quant,
+            cfg.fp8_scale if fmt.value.startswith("fp8") else "block",
+        )
+        self.quant_version = 0
+        if self.mode == "train":
+            self.weight = nn.Parameter(master.clone())
+        else:
+            self.register_parameter("weight", None)
+        if bias:
+            self.bias = nn.Parameter(
+                init_bias.to(self.dense_dtype).clone(), requires_grad=self.mode == "train"
+            )
+        else:
+            self.register_parameter("bias", None)
+        if self.mode == "frozen":
+            r = cfg.lora_rank
+            self.lora_scaling = cfg.lora_alpha / r
+            self.lora_A = nn.Parameter(torch.empty(r, in_features, device=master.device))
+            self.lora_B = nn.Parameter(torch.zeros(out_features, r, device=master.device))
+            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.register_load_state_dict_post_hook(_requantize_after_load)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt, weights_cfg: WeightsConfig | None = None) -> QuantLinear:
+        """Build from an ``nn.Linear``: its weight becomes the master (train) or the frozen base."""
+        q = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            fmt,
+            weights_cfg,
+            weight=linear.weight,
+            dtype=linear.weight.dtype,
+        )
+        if linear.bias is not None:
+            with torch.no_grad():
+                q.bias.copy_(linear.bias)
+        return q
+
+    @torch.no_grad()
+    def requantize_(self) -> None:
+        """Refresh the low-bit compute copy from the master weight (train mode)."""
+        if self.mode != "train":
+            raise RuntimeError("QuantLinear.requantize_: a frozen layer has no master weight to re-quantize")
+        self.qweight.requantize_(self.weight.detach())
+        self.quant_version += 1
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A fresh dense copy of the compute weight (for tests and inspection)."""
+        return self.qweight.dequantize(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in _COMPUTE_DTYPES:
+            raise TypeError(f"QuantLinear input dtype {x.dtype} is not supported: use float32 or bfloat16")
+        y = _DequantLinear.apply(x, self.weight, self.bias, self)
+        if self.mode == "frozen":
+            y = (
+                y
+                + F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.lora_scaling
+            )
+        return y
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        # Codes are not floats to cast: only follow the parameters' device.
+        dev = next(self.parameters()).device
+        qw = self.qweight
+        for name in ("qdata", "scale", "scale_scale"):
+            t = getattr(qw, name)
+            if t is not None and t.device != dev:
+                setattr(qw, name, t.to(dev))
+        return self
+
+    def get_extra_state(self):
+        if self.mode == "train":  # derived from the master weight
+            return {"format": self.format.value}
+        return {"format": self.format.value, **{k: v for k, v in self.qweight.storage_tensors().items()}}
+
+    def set_extra_state(self, state) -> None:
+        if state.get("format") != self.format.value:
+            raise ValueError(
+                f"checkpoint holds format {state.get('format')!r}, this layer is {self.format.value!r}"
+            )
+        if self.mode == "frozen":
+            for k, v in state.items():
+                if k != "format":
+                    getattr(self.qweight, k).copy_(v)
+            self.quant_version += 1
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, "
+            f"format={self.format.value}, mode={self.mode}, block_size={self.qweight.block_size}"
+        )
+
+
+def _requantize_after_load(module: QuantLinear, _incompatible) -> None:
+    if module.mode == "train":
+        module.requantize_()
+
+
+def convert_model(model: nn.Module, policy_or_cfg, **policy_kwargs) -> nn.Module:
+    """Replace the ``nn.Linear`` layers the precision policy selects by ``QuantLinear`` (in place).
+
+    Args:
+        model: any module.
+        policy_or_cfg: a ``PrecisionPolicy``, ``WeightsConfig``, dict of its fields or a format name.
+        **policy_kwargs: ``block_layers``/``num_blocks`` (see ``quant.policy``).
+
+    Returns:
+        ``model`` itself, converted. ``explain(model, policy)`` shows what was chosen.
+    """
+    from deepspeed_ppq.quant.policy import as_policy, plan
+
+    pol = as_policy(policy_or_cfg, **policy_kwargs)
+    for d in plan(model, pol):
+        mod = model.get_submodule(d.name)
+        if not d.quantized or isinstance(mod, QuantLinear):
+            continue
+        new = QuantLinear.from_linear(mod, d.format, pol.weights)
+        parent_name, _, child = d.name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    return model
+
+
+def requantize_model(model: nn.Module) -> int:
+    """Re-quantize every train-mode ``QuantLinear`` of ``model``; returns how many."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m.mode == "train":
+            m.requantize_()
+            n += 1
+    return n
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The LoRA adapter parameters of every frozen-mode ``QuantLinear``."""
+    return [
+        p
+        for m in model.modules()
+        if isinstance(m, QuantLinear) and m.mode == "frozen"
+        for p in (m.lora_A, m.lora_B)
+    ]

@@ -1,0 +1,157 @@
+"""Optimizers for low-bit training: builders, their exact state sizes, and the re-quantize hook.
+
+Supported kinds (``OPTIMIZER_KINDS``):
+
+* ``adam`` / ``adamw``: ``torch.optim.Adam``/``AdamW``. State per parameter tensor: ``exp_avg`` and
+  ``exp_avg_sq`` shaped and typed like the parameter (8 B/param for fp32) plus a 0-dim fp32 ``step``.
+* ``adam8bit`` / ``adamw8bit``: bitsandbytes ``Adam8bit``/``AdamW8bit`` (block-wise dynamic 8-bit
+  states, works on CPU). A tensor with at least ``min_8bit_size`` (4096) elements gets two uint8
+  states (2 B/param) plus two fp32 ``absmax`` per block of 256; smaller tensors keep two fp32
+  states (8 B/param). Two 256-entry fp32 code maps (``qmap1``, ``qmap2``) are shared by all tensors
+  of one optimizer. ``step`` is a Python int (no tensor).
+* ``sgd``: ``torch.optim.SGD``; a ``momentum_buffer`` like the gradient when ``momentum > 0``, else none.
+
+``requantize_after_step(optimizer, model)`` registers a step post-hook on the underlying torch
+optimizer that refreshes every ``QuantLinear`` compute copy from its master weight. DeepSpeed's engine
+calls the same ``step`` (its ``basic_optimizer``), so one hook serves a plain loop and an engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = [
+    "OPTIMIZER_KINDS",
+    "BNB_BLOCK_SIZE",
+    "build_optimizer",
+    "optimizer_state_bytes",
+    "optimizer_shared_bytes",
+    "underlying_optimizer",
+    "requantize_after_step",
+]
+
+OPTIMIZER_KINDS = ("adam", "adamw", "adam8bit", "adamw8bit", "sgd")
+BNB_BLOCK_SIZE = 256  # bitsandbytes Optimizer2State: absmax per 256 state values
+_BNB_QMAP_BYTES = 256 * 4  # one 256-entry fp32 code map
+
+
+def _check_kind(kind: str) -> str:
+    if kind not in OPTIMIZER_KINDS:
+        raise ValueError(f"optimizer={kind!r} is not supported; use one of {', '.join(OPTIMIZER_KINDS)}")
+    return kind
+
+
+def build_optimizer(
+    params: Iterable[nn.Parameter] | Iterable[dict],
+    kind: str = "adam",
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    momentum: float = 0.0,
+    min_8bit_size: int = 4096,
+) -> torch.optim.Optimizer:
+    """A torch or bitsandbytes optimizer of ``kind`` (see the module docstring).
+
+    Args:
+        params: parameters or parameter groups (only those with ``requires_grad``).
+        kind: one of ``OPTIMIZER_KINDS``.
+        min_8bit_size: 8-bit kinds only: smaller tensors keep fp32 states.
+    """
+    _check_kind(kind)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    import bitsandbytes as bnb
+
+    cls = bnb.optim.Adam8bit if kind == "adam8bit" else bnb.optim.AdamW8bit
+    return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, min_8bit_size=min_8bit_size)
+
+
+def optimizer_state_bytes(
+    numel: int,
+    dtype: torch.dtype = torch.float32,
+    kind: str = "adam",
+    momentum: float = 0.0,
+    min_8bit_size: int = 4096,
+) -> dict[str, int]:
+    """Exact optimizer-state bytes for one trainable parameter tensor, by ledger category.
+
+    Categories: ``optimizer.state`` (full-precision moments), ``optimizer.state_8bit`` (uint8 codes),
+    ``optimizer.absmax`` (8-bit block scales), ``optimizer.step`` (torch's 0-dim step tensor).
+    The shared code maps of 8-bit optimizers are in ``optimizer_shared_bytes``.
+    """
+    _check_kind(kind)
+    size = torch.empty((), dtype=dtype).element_size()
+    if kind in ("adam", "adamw"):
+        return {"optimizer.state": 2 * numel * size, "optimizer.step": 4}
+    if kind == "sgd":
+        return {"optimizer.state": numel * size} if momentum > 0 else {}
+    if numel < min_8bit_size:
+        return {"optimizer.state": 2 * numel * 4}
+    blocks = math.ceil(numel / BNB_BLOCK_SIZE)
+    return {"optimizer.state_8bit": 2 * numel, "optimizer.absmax": 2 * blocks * 4}
+
+
+def optimizer_shared_bytes(kind: str, numels: Iterable[int], min_8bit_size: int = 4096) -> dict[str, int]:
+    """State shared by all tensors of one optimizer: the two 8-bit code maps, when any tensor is 8-bit."""
+    _check_kind(kind)
+    if kind in ("adam8bit", "adamw8bit") and any(n >= min_8bit_size for n in numels):
+        return {"optimizer.qmap": 2 * _BNB_QMAP_BYTES}
+    return {}
+
+
+def underlying_optimizer(opt) -> torch.optim.Optimizer:
+    """The ``torch.optim.Optimizer`` that updates the parameters: itself, or a DeepSpeed engine's
+    ``basic_optimizer``, or a wrapper's ``.optimizer``."""
+    seen = 0
+    while not isinstance(opt, torch.optim.Optimizer):
+        nxt = getattr(opt, "basic_optimizer", None) or getattr(opt, "optimizer", None)
+        if nxt is None or seen > 4:
+            raise TypeError(f"cannot find a torch.optim.Optimizer inside {type(opt).__name__}")
+        opt, seen = nxt, seen + 1
+    return opt
+
+
+def requantize_after_step(optimizer, model: nn.Module):
+    """Re-quantize every train-mode ``QuantLinear`` of ``model`` after each ``optimizer.step()``.
+
+    Args:
+        optimizer: a torch optimizer, a bitsandbytes optimizer, or a DeepSpeed engine (its
+            ``basic_optimizer`` is hooked; the engine's ``step()`` calls it).
+        model: the module holding the ``QuantLinear`` layers (``engine.module`` for an engine).
+
+    Returns:
+        The hook handle (``handle.remove()`` detaches it).
+
+    Raises:
+        ValueError: when none of the layers' master weights is updated by that optimizer (for
+            example a DeepSpeed bf16/ZeRO wrapper that updates flat fp32 copies instead): the compute
+            copies would go stale, so this is refused rather than silently wrong.
+    """
+    from deepspeed_ppq.quant.linear import QuantLinear
+
+    opt = underlying_optimizer(optimizer)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.mode == "train"]
+    owned = {id(p) for g in opt.param_groups for p in g["params"]}
+    hooked = [m for m in layers if id(m.weight) in owned]
+    if layers and not hooked:
+        raise ValueError(
+            f"requantize_after_step: none of the {len(layers)} QuantLinear master weights is a parameter "
+            f"of {type(opt).__name__}; the optimizer must update the model's own fp32 parameters "
+            "(no bf16/fp16 or ZeRO flat-buffer wrapper)"
+        )
+
+    def _hook(_opt, _args, _kwargs):
+        with torch.no_grad():
+            for m in hooked:
+                m.requantize_()
+
+    return opt.register_step_post_hook(_hook)
