@@ -1,0 +1,168 @@
+"""What the planner knows about a model: measured per-layer costs, codec options and the link.
+
+Pure data (no torch): the profiler fills these from measurements, tests fill them by hand, and the
+planner reads them. Times are seconds, sizes bytes; per-sample sizes scale with the micro-batch size.
+
+Memory accounting per parameter (what a stage keeps; see ``layer_static_bytes``):
+  - weights: the storage of the layer's parameters and buffers in the chosen format (codes + scales
+    for quantized Linear weights, training dtype for the rest), measured by the profiler;
+  - master: an fp32 master copy of every quantized weight (4 B/param; the optimizer updates it);
+  - gradients: fp32, 4 B per trainable parameter;
+  - optimizer: Adam, 8 B per trainable parameter; with 8-bit states (bitsandbytes blockwise, 256
+    values per fp32 absmax, plus a 256-entry fp32 code per state) 2 B + 2 x 4 B per 256 values + 2 KiB
+    per tensor, except tensors below 4096 elements, which keep fp32 states.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["LayerProfile", "CodecOption", "LinkModel", "optimizer_bytes", "interpolate_time", "NO_CODEC"]
+
+_BNB_MIN_8BIT = 4096
+_BNB_BLOCK = 256
+
+
+def optimizer_bytes(param_numels: list[int], eight_bit: bool) -> int:
+    """Adam state bytes for parameter tensors of the given sizes (two states per parameter)."""
+    total = 0
+    for n in param_numels:
+        if not eight_bit or n < _BNB_MIN_8BIT:
+            total += 8 * n
+        else:
+            total += 2 * (n + 4 * math.ceil(n / _BNB_BLOCK) + 256 * 4)
+    return total
+
+
+def interpolate_time(timing: dict[int, float], micro_batch: int) -> float:
+    """Time at ``micro_batch`` from times measured at some micro-batch sizes: exact where measured,
+    linear between the two nearest sizes otherwise, and proportional to size beyond a single point."""
+    if micro_batch in timing:
+        return timing[micro_batch]
+    sizes = sorted(timing)
+    if not sizes:
+        raise ValueError("no timing measured")
+    if len(sizes) == 1:
+        return timing[sizes[0]] * micro_batch / sizes[0]
+    lo = max([s for s in sizes if s < micro_batch], default=sizes[0])
+    hi = min([s for s in sizes if s > micro_batch], default=sizes[-1])
+    if lo == hi:
+        lo, hi = (sizes[-2], sizes[-1]) if micro_batch > sizes[-1] else (sizes[0], sizes[1])
+    slope = (timing[hi] - timing[lo]) / (hi - lo)
+    return max(0.0, timing[lo] + slope * (micro_batch - lo))
+
+
+@dataclass
+class LayerProfile:
+    """One layer of the pipeline module, measured (or described) for each weight format.
+
+    Attributes:
+        name: the layer's name (e.g. ``"BlockPipe"`` or ``"3"``).
+        kind: ``"embed"``, ``"block"``, ``"head"`` or ``"other"``.
+        param_numels: sizes of its trainable parameter tensors.
+        quantizable_params: parameters the precision policy may store in low bit (Linear weights).
+        allowed_formats: formats the policy allows for this layer; ``"none"`` is always allowed.
+        times: format -> micro-batch size -> ``[forward, backward_input, backward_weight]`` seconds.
+        weight_bytes: format -> storage bytes of the layer's parameters and buffers.
+        saved_bytes: format -> activation bytes saved for backward, per sample.
+        input_bytes: bytes of the tensor entering the layer, per sample.
+        output_bytes: bytes of the tensor leaving the layer, per sample.
+        quant_error: format -> relative weight error ``||W - Q(W)|| / ||W||`` (sensitivity).
+    """
+
+    name: str
+    kind: str
+    param_numels: list[int]
+    quantizable_params: int
+    allowed_formats: list[str]
+    times: dict[str, dict[int, list[float]]]
+    weight_bytes: dict[str, int]
+    saved_bytes: dict[str, int]
+    input_bytes: int
+    output_bytes: int
+    quant_error: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def params(self) -> int:
+        return sum(self.param_numels)
+
+    def formats(self) -> list[str]:
+        return ["none", *[f for f in self.allowed_formats if f != "none"]]
+
+    def format_for(self, level: str) -> str:
+        """The format this layer uses when its stage runs at precision ``level``."""
+        return level if level in self.allowed_formats else "none"
+
+    def time(self, fmt: str, micro_batch: int) -> tuple[float, float, float]:
+        t = self.times[fmt]
+        parts = [{mb: v[k] for mb, v in t.items()} for k in range(3)]
+        f, bi, bw = (interpolate_time(p, micro_batch) for p in parts)
+        return f, bi, bw
+
+    def static_bytes(self, fmt: str, optimizer_8bit: bool) -> dict[str, int]:
+        """Bytes this layer keeps regardless of micro-batches, by category."""
+        return {
+            "weights": self.weight_bytes[fmt],
+            "master": 4 * self.quantizable_params if fmt != "none" else 0,
+            "gradients": 4 * self.params,
+            "optimizer": optimizer_bytes(self.param_numels, optimizer_8bit),
+        }
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LayerProfile:
+        d = dict(d)
+        d["times"] = {f: {int(mb): v for mb, v in t.items()} for f, t in d["times"].items()}
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class CodecOption:
+    """One way to send a boundary tensor: its config, wire bytes per raw byte and codec cost.
+
+    Attributes:
+        config: the ``CodecConfig`` fields (``{"method": "quant", "bits": 8}``).
+        wire_ratio: payload bytes / raw bytes (1.0 for ``none``).
+        encode_s_per_byte, decode_s_per_byte: measured codec seconds per raw byte.
+        bits: precision for the quality bounds (32 for ``none``).
+    """
+
+    config: tuple[tuple[str, object], ...]
+    wire_ratio: float = 1.0
+    encode_s_per_byte: float = 0.0
+    decode_s_per_byte: float = 0.0
+    bits: int = 32
+
+    @property
+    def as_dict(self) -> dict:
+        return dict(self.config)
+
+    @property
+    def label(self) -> str:
+        c = self.as_dict
+        if c.get("method", "none") == "none":
+            return "none"
+        if c["method"] == "topk":
+            return f"topk{c.get('topk_ratio')}"
+        return f"{c['method']}{c.get('bits', '')}"
+
+    @staticmethod
+    def make(config: dict, **kw) -> CodecOption:
+        return CodecOption(config=tuple(sorted(config.items())), **kw)
+
+
+NO_CODEC = CodecOption.make({"method": "none"})
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """Point-to-point link between adjacent stages: ``time = latency + bytes / bandwidth``."""
+
+    latency_s: float = 1e-4
+    bandwidth_Bps: float = 2.2e9
+
+    def time(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth_Bps if nbytes > 0 else 0.0

@@ -1,0 +1,216 @@
+"""The autotuner's output: a plan, pure data with a versioned JSON schema.
+
+A plan says how to run one model on one world size: pipeline degree and stage boundaries, micro-batch
+size and count, the schedule, each layer's weight format, the codecs on the stage boundaries,
+activation recomputation per stage, and what the planner predicts (step time, bubble, memory per
+stage by category). It renders itself as the ``"ppq"`` + DeepSpeed settings that carry it out and as
+the equivalent Megatron flags. Carrying it out is ``loop.py``'s job; this file only describes.
+
+Schema versions: ``PLAN_SCHEMA_VERSION`` changes whenever a field changes meaning or is removed;
+``Plan.from_dict`` refuses any other version with a message that names both.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PLAN_SCHEMA_VERSION", "PlanError", "StagePlan", "Plan", "load_plan"]
+
+PLAN_SCHEMA_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan file that cannot be used (wrong schema version, missing or inconsistent fields)."""
+
+
+@dataclass
+class StagePlan:
+    """One pipeline stage of a plan.
+
+    Attributes:
+        layers: ``[first, last)`` layer indices the stage holds.
+        formats: weight format of each of those layers (``"none"`` keeps the training dtype).
+        recompute: activation recomputation (checkpoint every layer of the stage).
+        time_per_microbatch: predicted forward + backward (+ recompute, codec, sends) seconds.
+        memory: predicted peak bytes by category (weights, master, gradients, optimizer,
+            activations, buffers).
+    """
+
+    layers: tuple[int, int]
+    formats: list[str]
+    recompute: bool = False
+    time_per_microbatch: float = 0.0
+    memory: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak_memory(self) -> int:
+        return sum(self.memory.values())
+
+
+@dataclass
+class Plan:
+    """A complete pipeline plan (see the module docstring)."""
+
+    world_size: int
+    pipeline_degree: int
+    micro_batch_size: int
+    num_microbatches: int
+    schedule: str
+    stages: list[StagePlan]
+    layer_names: list[str]
+    activation_codec: dict[str, Any] = field(default_factory=lambda: {"method": "none"})
+    gradient_codec: dict[str, Any] = field(default_factory=lambda: {"method": "none"})
+    optimizer_8bit: bool = False
+    block_size: int = 64
+    predicted_step_time: float = 0.0
+    predicted_bubble_fraction: float = 0.0
+    memory_budget: int | None = None
+    notes: list[str] = field(default_factory=list)
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    # ----- derived -------------------------------------------------------------------------------
+    @property
+    def data_parallel(self) -> int:
+        return self.world_size // self.pipeline_degree
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * self.num_microbatches * self.data_parallel
+
+    @property
+    def boundaries(self) -> list[int]:
+        """``[0, b1, ..., num_layers]``, DeepSpeed's ``parts``."""
+        return [s.layers[0] for s in self.stages] + [self.stages[-1].layers[1]]
+
+    @property
+    def layer_formats(self) -> list[str]:
+        return [f for s in self.stages for f in s.formats]
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.global_batch / self.predicted_step_time if self.predicted_step_time > 0 else 0.0
+
+    def check(self) -> None:
+        """Raise ``PlanError`` if the plan is internally inconsistent."""
+        if self.world_size % self.pipeline_degree:
+            raise PlanError(
+                f"pipeline_degree={self.pipeline_degree} does not divide world_size={self.world_size}"
+            )
+        if len(self.stages) != self.pipeline_degree:
+            raise PlanError(f"{len(self.stages)} stages for pipeline_degree={self.pipeline_degree}")
+        b = self.boundaries
+        if b[0] != 0 or b[-1] != len(self.layer_names) or any(x >= y for x, y in zip(b, b[1:])):
+            raise PlanError(f"boundaries {b} must increase strictly from 0 to {len(self.layer_names)}")
+        for s in self.stages:
+            if len(s.formats) != s.layers[1] - s.layers[0]:
+                raise PlanError(
+                    f"stage {s.layers}: {len(s.formats)} formats for {s.layers[1] - s.layers[0]} layers"
+                )
+
+    # ----- rendering -----------------------------------------------------------------------------
+    def precision_rules(self) -> list[dict[str, str]]:
+        """Per-layer ``weights.rules`` for the ``"ppq"`` section (DeepSpeed PipelineModule names:
+        ``"<layer index>.*"``); layers in the training dtype get an explicit ``none`` rule so the
+        policy's defaults cannot override the plan."""
+        return [{"pattern": f"{i}.*", "format": f} for i, f in enumerate(self.layer_formats)]
+
+    def ppq_section(self) -> dict[str, Any]:
+        """The ``"ppq"`` config section that carries this plan out."""
+        fmts = {f for f in self.layer_formats if f != "none"}
+        return {
+            "weights": {
+                "format": sorted(fmts)[0] if fmts else "none",
+                "block_size": self.block_size,
+                "keep_first_blocks": 0,
+                "keep_last_blocks": 0,
+                "rules": self.precision_rules(),
+                "optimizer_8bit": self.optimizer_8bit,
+            },
+            "activations": dict(self.activation_codec),
+            "gradients": dict(self.gradient_codec),
+            "partition": {"method": "explicit", "boundaries": self.boundaries},
+        }
+
+    def deepspeed_config(self) -> dict[str, Any]:
+        """DeepSpeed settings: batch sizes, activation checkpointing and the ``"ppq"`` section.
+
+        DeepSpeed checkpoints all stages alike (``activation_checkpoint_interval`` is one number for
+        the module), so per-stage recomputation is given in ``ppq.recompute_stages`` for the plugin."""
+        cfg = {
+            "train_batch_size": self.global_batch,
+            "train_micro_batch_size_per_gpu": self.micro_batch_size,
+            "gradient_accumulation_steps": self.num_microbatches,
+            "pipeline": {"activation_checkpoint_interval": 1 if any(s.recompute for s in self.stages) else 0},
+            "ppq": self.ppq_section(),
+        }
+        cfg["pipeline"]["recompute_stages"] = [i for i, s in enumerate(self.stages) if s.recompute]
+        return cfg
+
+    def megatron_flags(self, layer_kinds: list[str] | None = None) -> list[str]:
+        """The equivalent Megatron-LM flags.
+
+        Args:
+            layer_kinds: ``"embed"``, ``"block"`` or ``"head"`` per layer (default: first is the
+                embedding, last the head, the rest blocks). Gives ``--pipeline-model-parallel-layout``
+                with ``E`` (embedding), ``t`` (transformer layer) and ``L`` (loss/head) per stage.
+        """
+        kinds = layer_kinds or (["embed"] + ["block"] * (len(self.layer_names) - 2) + ["head"])
+        sym = {"embed": "E", "block": "t", "head": "L"}
+        layout = "|".join("".join(sym.get(kinds[i], "t") for i in range(*s.layers)) for s in self.stages)
+        flags = [
+            f"--pipeline-model-parallel-size {self.pipeline_degree}",
+            f"--pipeline-model-parallel-layout {layout}",
+            f"--micro-batch-size {self.micro_batch_size}",
+            f"--global-batch-size {self.global_batch}",
+        ]
+        if any(s.recompute for s in self.stages):
+            flags.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+        fp8 = sorted({f for f in self.layer_formats if f.startswith("fp8")})
+        if fp8:
+            flags += ["--fp8-format " + ("e4m3" if fp8 == ["fp8_e4m3"] else "hybrid"), "--fp8-param-gather"]
+        return flags
+
+    # ----- JSON ------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["derived"] = {
+            "boundaries": self.boundaries,
+            "global_batch": self.global_batch,
+            "data_parallel": self.data_parallel,
+            "samples_per_second": self.samples_per_second,
+            "deepspeed": self.deepspeed_config(),
+            "megatron_flags": self.megatron_flags(),
+        }
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        version = d.get("schema_version")
+        if version != PLAN_SCHEMA_VERSION:
+            raise PlanError(
+                f"plan schema_version={version!r} is not supported: this deepspeed_ppq reads version "
+                f"{PLAN_SCHEMA_VERSION}; re-run `ppq tune` to write a current plan"
+            )
+        d = {k: v for k, v in d.items() if k != "derived"}
+        try:
+            stages = [StagePlan(**{**s, "layers": tuple(s["layers"])}) for s in d.pop("stages")]
+            plan = cls(stages=stages, **d)
+        except (TypeError, KeyError) as e:
+            raise PlanError(f"plan file does not match schema version {PLAN_SCHEMA_VERSION}: {e}") from None
+        plan.check()
+        return plan
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan JSON file written by ``Plan.save``.
+
+    Raises:
+        PlanError: the schema version is not this one, or the file does not match it.
+    """
+    return Plan.from_dict(json.loads(Path(path).read_text()))

@@ -1,0 +1,536 @@
+"""The planner: choose the pipeline that runs fastest within the per-stage memory budget.
+
+Decision variables
+  - outer knobs (enumerated): pipeline degree ``p`` (the rest of the world is data parallel),
+    micro-batch size ``b`` and count ``m`` (global batch fixed, or free within a range), schedule,
+    activation codec, gradient codec (within the quality bounds), 8-bit optimizer states;
+  - inner knobs (exact dynamic program): the contiguous partition of the layers into ``p`` stages
+    and, per stage, a precision level and activation recomputation. At level ``f`` every layer of the
+    stage whose policy allows ``f`` stores its weights in ``f``, the others keep the training dtype;
+    per-layer control comes from the policy (the quality loop removes formats from sensitive layers).
+
+The planner's model of one step (``pipeline_time``): with ``t_s`` the time stage ``s`` spends per
+micro-batch (forward, backward, recomputation, codec work and its blocking sends),
+``sum_s t_s + (m - 1) * max_s t_s`` — the 1F1B/GPipe critical path — plus the optimizer step and the
+data-parallel all-reduce of the slowest stage (``extras``), which do not depend on the schedule.
+Stage ``s`` of 1F1B keeps ``min(p - s, m)`` micro-batches of activations (GPipe: ``m``) and
+DeepSpeed's ``max(2, min(p - s, m))`` pipe buffers.
+
+Exactness: for fixed outer knobs the DP returns the minimum of the pipeline term over all
+partitions and stage options whose memory fits. For a bottleneck bound ``T`` let ``g(T)`` be the
+smallest ``sum_s t_s`` with every ``t_s <= T`` (a min-sum DP); the optimum is
+``min_T g(T) + (m - 1) T`` over the finitely many achievable stage times ``T``, scanned upward
+from the smallest feasible one and stopped once ``min_sum + (m - 1) T`` cannot beat the best.
+Within one segment the fastest option that fits memory dominates (smaller in both the sum and
+the max), so options reduce to one table per stage position.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from itertools import product
+
+import numpy as np
+
+from deepspeed_ppq.autotune.costs import NO_CODEC, CodecOption, LayerProfile, LinkModel
+from deepspeed_ppq.autotune.plan import Plan, StagePlan
+
+__all__ = [
+    "PlanningProblem",
+    "Knobs",
+    "StageChoice",
+    "InfeasibleBudgetError",
+    "plan_pipeline",
+    "solve_partition",
+    "evaluate_stages",
+    "baseline_plan",
+    "MEMORY_CATEGORIES",
+]
+
+MEMORY_CATEGORIES = ("weights", "master", "gradients", "optimizer", "activations", "buffers")
+_INF = float("inf")
+
+
+class InfeasibleBudgetError(ValueError):
+    """No plan fits the memory budget; the message gives the smallest budget that fits."""
+
+
+@dataclass
+class PlanningProblem:
+    """Everything the planner needs.
+
+    Attributes:
+        layers: per-layer profiles, in pipeline order.
+        world_size: number of ranks (pipeline degree x data parallel).
+        global_batch: samples per optimizer step; an int, or ``(low, high)`` to let the planner
+            choose (it then maximises samples/s).
+        memory_budget: bytes per stage (``None``: unlimited).
+        micro_batch_sizes: candidates for the micro-batch size.
+        pipeline_degrees: candidates for ``p`` (default: every divisor of ``world_size`` up to the
+            layer count).
+        schedules: ``"1f1b"`` (what DeepSpeed's TrainSchedule runs) and/or ``"gpipe"``.
+        activation_codecs, gradient_codecs: codec options within the quality bounds.
+        optimizer_8bit: candidates for 8-bit optimizer states.
+        allow_recompute: let the planner checkpoint a stage's activations.
+        link: the point-to-point link between stages (also used for the data-parallel all-reduce).
+        optimizer_s_per_param: optimizer step seconds per parameter (fp32 Adam).
+    """
+
+    layers: list[LayerProfile]
+    world_size: int
+    global_batch: int | tuple[int, int]
+    memory_budget: int | None = None
+    micro_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    pipeline_degrees: list[int] | None = None
+    schedules: list[str] = field(default_factory=lambda: ["1f1b"])
+    activation_codecs: list[CodecOption] = field(default_factory=lambda: [NO_CODEC])
+    gradient_codecs: list[CodecOption] = field(default_factory=lambda: [NO_CODEC])
+    optimizer_8bit: list[bool] = field(default_factory=lambda: [False])
+    allow_recompute: bool = True
+    link: LinkModel = field(default_factory=LinkModel)
+    optimizer_s_per_param: float = 0.0
+
+    def levels(self) -> list[str]:
+        """Precision levels a stage can run at: ``none`` and every format some layer allows."""
+        seen = ["none"]
+        for layer in self.layers:
+            seen += [f for f in layer.allowed_formats if f not in seen]
+        return seen
+
+    def degrees(self) -> list[int]:
+        if self.pipeline_degrees is not None:
+            return list(self.pipeline_degrees)
+        return [
+            p for p in range(1, self.world_size + 1) if self.world_size % p == 0 and p <= len(self.layers)
+        ]
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The outer (enumerated) decisions."""
+
+    pipeline_degree: int
+    micro_batch_size: int
+    num_microbatches: int
+    schedule: str
+    activation_codec: CodecOption
+    gradient_codec: CodecOption
+    optimizer_8bit: bool
+
+    @property
+    def global_batch_per_replica(self) -> int:
+        return self.micro_batch_size * self.num_microbatches
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    """One stage: its layers ``[first, last)``, precision level and recomputation."""
+
+    first: int
+    last: int
+    level: str
+    recompute: bool
+
+
+# ----------------------------------------------------------------------------------------------
+# The cost model, one stage at a time (plain loops: the reference the DP tables are tested against)
+# ----------------------------------------------------------------------------------------------
+def _inflight(schedule: str, p: int, s: int, m: int) -> tuple[int, int]:
+    """(micro-batches of saved activations, DeepSpeed pipe buffers) held by stage ``s``."""
+    if schedule == "gpipe":
+        return m, m
+    if schedule == "1f1b":
+        n = min(p - s, m)
+        return n, max(2, n)
+    raise ValueError(f"schedule={schedule!r} is not modelled: use '1f1b' or 'gpipe'")
+
+
+def _boundary_times(prob: PlanningProblem, k: Knobs, first: int, last: int) -> float:
+    """Codec work and blocking sends of a stage holding ``[first, last)``, per micro-batch."""
+    b, link, a, g = k.micro_batch_size, prob.link, k.activation_codec, k.gradient_codec
+    t = 0.0
+    if first > 0:  # receives activations, sends their gradient back
+        raw = prob.layers[first].input_bytes * b
+        t += raw * a.decode_s_per_byte + raw * g.encode_s_per_byte + link.time(raw * g.wire_ratio)
+    if last < len(prob.layers):  # sends activations, receives their gradient
+        raw = prob.layers[last - 1].output_bytes * b
+        t += raw * a.encode_s_per_byte + link.time(raw * a.wire_ratio) + raw * g.decode_s_per_byte
+    return t
+
+
+def stage_time(prob: PlanningProblem, k: Knobs, c: StageChoice) -> float:
+    """Seconds stage ``c`` spends per micro-batch."""
+    t = 0.0
+    for layer in prob.layers[c.first : c.last]:
+        f, bi, bw = layer.time(layer.format_for(c.level), k.micro_batch_size)
+        t += f * (2 if c.recompute else 1) + bi + bw
+    return t + _boundary_times(prob, k, c.first, c.last)
+
+
+def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dict[str, int]:
+    """Peak bytes of stage ``c`` at position ``s``, by category (``MEMORY_CATEGORIES``)."""
+    b, layers = k.micro_batch_size, prob.layers[c.first : c.last]
+    n_act, n_buf = _inflight(k.schedule, k.pipeline_degree, s, k.num_microbatches)
+    mem = dict.fromkeys(MEMORY_CATEGORIES, 0)
+    for layer in layers:
+        for cat, v in layer.static_bytes(layer.format_for(c.level), k.optimizer_8bit).items():
+            mem[cat] += v
+    saved = [layer.saved_bytes[layer.format_for(c.level)] * b for layer in layers]
+    if c.recompute:  # keep each layer's input; one layer's full activations live during its backward
+        mem["activations"] = n_act * b * sum(layer.input_bytes for layer in layers) + max(saved)
+    else:
+        mem["activations"] = n_act * sum(saved)
+    grad_buf = layers[-1].output_bytes if c.last < len(prob.layers) else 0
+    mem["buffers"] = n_buf * b * (layers[0].input_bytes + layers[-1].output_bytes) + b * grad_buf
+    return mem
+
+
+def _extras(prob: PlanningProblem, k: Knobs, params: int) -> float:
+    """Optimizer step plus data-parallel gradient all-reduce (ring) of a stage with ``params``."""
+    dp = prob.world_size // k.pipeline_degree
+    t = params * prob.optimizer_s_per_param
+    if dp > 1:
+        t += 2 * (dp - 1) / dp * prob.link.time(4 * params)
+    return t
+
+
+def evaluate_stages(prob: PlanningProblem, k: Knobs, stages: list[StageChoice]) -> dict:
+    """The planner's model for a given partition and stage options.
+
+    Returns:
+        dict with ``pipeline_time`` (the DP's objective), ``step_time`` (plus extras),
+        ``stage_times``, ``memory`` (per stage, by category), ``fits`` and ``bubble_fraction``.
+    """
+    m = k.num_microbatches
+    times = [stage_time(prob, k, c) for c in stages]
+    mems = [stage_memory(prob, k, c, s) for s, c in enumerate(stages)]
+    pipeline = sum(times) + (m - 1) * max(times)
+    extras = max(
+        _extras(prob, k, sum(layer.params for layer in prob.layers[c.first : c.last])) for c in stages
+    )
+    budget = prob.memory_budget
+    return {
+        "pipeline_time": pipeline,
+        "step_time": pipeline + extras,
+        "stage_times": times,
+        "memory": mems,
+        "fits": budget is None or all(sum(mm.values()) <= budget for mm in mems),
+        "bubble_fraction": 1.0 - m * sum(times) / (len(stages) * pipeline) if pipeline > 0 else 0.0,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Exact DP over partitions for fixed outer knobs
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class _Tables:
+    time: np.ndarray  # [p, N, N] fastest fitting option's time for a segment at stage position s
+    option: np.ndarray  # [p, N, N] index into options of that fastest option (-1: none fits)
+    options: list[tuple[str, bool]]
+    min_memory: np.ndarray  # [p, N, N] smallest peak memory over options (for infeasibility reports)
+
+
+def _segment_tables(prob: PlanningProblem, k: Knobs) -> _Tables:
+    """Vectorised ``stage_time``/``stage_memory`` for every segment ``[i, j)`` and stage position."""
+    layers, L, b = prob.layers, len(prob.layers), k.micro_batch_size
+    N, p = L + 1, k.pipeline_degree
+    options = [(lv, r) for lv in prob.levels() for r in ((False, True) if prob.allow_recompute else (False,))]
+    ii, jj = np.meshgrid(np.arange(N), np.arange(N), indexing="ij")
+    valid = jj > ii
+
+    def prefix(vals: list[float]) -> np.ndarray:
+        return np.concatenate([[0.0], np.cumsum(vals)])
+
+    def seg(pre: np.ndarray) -> np.ndarray:
+        return pre[None, :] - pre[:, None]
+
+    # boundary costs: receive side depends on i, send side on j
+    recv_side = np.array([_boundary_times(prob, k, i, L) if i < L else 0.0 for i in range(N)])
+    send_side = np.array([_boundary_times(prob, k, 0, j) if j > 0 else 0.0 for j in range(N)])
+    bnd = recv_side[ii] + send_side[jj]
+    in_b = np.array([layer.input_bytes for layer in layers] + [0], dtype=float)
+    out_b = np.array([0] + [layer.output_bytes for layer in layers], dtype=float)  # out_b[j]: layer j-1
+    has_grad_buf = (jj < L).astype(float)
+    buf_per = b * (in_b[ii] + out_b[jj])  # one pipe buffer: stage input + stage output
+    grad_buf = b * out_b[jj] * has_grad_buf
+
+    n_opt = len(options)
+    t_opt = np.full((n_opt, N, N), _INF)
+    static_opt = np.zeros((n_opt, N, N))
+    act_opt = np.zeros((n_opt, N, N))  # per in-flight micro-batch
+    transient_opt = np.zeros((n_opt, N, N))
+    for o, (level, rec) in enumerate(options):
+        fmts = [layer.format_for(level) for layer in layers]
+        tm = [layer.time(f, b) for layer, f in zip(layers, fmts)]
+        fwd = prefix([x[0] for x in tm])
+        bwd = prefix([x[1] + x[2] for x in tm])
+        t_opt[o] = np.where(valid, seg(fwd) * (2 if rec else 1) + seg(bwd) + bnd, _INF)
+        stat = prefix(
+            [sum(layer.static_bytes(f, k.optimizer_8bit).values()) for layer, f in zip(layers, fmts)]
+        )
+        static_opt[o] = seg(stat)
+        saved = np.array([layer.saved_bytes[f] * b for layer, f in zip(layers, fmts)], dtype=float)
+        if rec:
+            act_opt[o] = seg(prefix(list(in_b[:L] * b)))
+            segmax = np.zeros((N, N))
+            for i in range(L):
+                segmax[i, i + 1 :] = np.maximum.accumulate(saved[i:])
+            transient_opt[o] = segmax
+        else:
+            act_opt[o] = seg(prefix(list(saved)))
+    t_tab = np.full((p, N, N), _INF)
+    opt_tab = np.full((p, N, N), -1, dtype=np.int64)
+    min_mem = np.full((p, N, N), _INF)
+    budget = _INF if prob.memory_budget is None else float(prob.memory_budget)
+    for s in range(p):
+        n_act, n_buf = _inflight(k.schedule, p, s, k.num_microbatches)
+        mem = static_opt + n_act * act_opt + transient_opt + n_buf * buf_per + grad_buf  # [O, N, N]
+        mem = np.where(valid, mem, _INF)
+        min_mem[s] = mem.min(axis=0)
+        t_fit = np.where(mem <= budget, t_opt, _INF)
+        opt_tab[s] = np.where(np.isfinite(t_fit.min(axis=0)), t_fit.argmin(axis=0), -1)
+        t_tab[s] = t_fit.min(axis=0)
+    return _Tables(t_tab, opt_tab, options, min_mem)
+
+
+def _min_sum_dp(tab: np.ndarray, bound: float) -> tuple[float, list[int] | None]:
+    """Smallest ``sum_s t_s`` over partitions with every ``t_s <= bound``; returns (value, cuts)."""
+    p, N, _ = tab.shape
+    cost = np.where(tab <= bound, tab, _INF)
+    f = np.full(N, _INF)
+    f[0] = 0.0
+    back = []
+    for s in range(p):
+        tot = f[:, None] + cost[s]  # [i, j]
+        back.append(tot.argmin(axis=0))
+        f = tot.min(axis=0)
+    if not np.isfinite(f[N - 1]):
+        return _INF, None
+    cuts, j = [N - 1], N - 1
+    for s in range(p - 1, -1, -1):
+        j = int(back[s][j])
+        cuts.append(j)
+    return float(f[N - 1]), cuts[::-1]
+
+
+def solve_partition(prob: PlanningProblem, k: Knobs) -> tuple[float, list[StageChoice]] | None:
+    """Exact minimum of the pipeline term for fixed outer knobs, or ``None`` if nothing fits.
+
+    Returns:
+        ``(pipeline_time, stages)``.
+    """
+    tabs = _segment_tables(prob, k)
+    m = k.num_microbatches
+    min_sum, _ = _min_sum_dp(tabs.time, _INF)
+    if not math.isfinite(min_sum):
+        return None
+    cand = np.unique(tabs.time[np.isfinite(tabs.time)])
+    # g(T) is non-increasing in T: binary search for the smallest feasible bottleneck
+    lo, hi = 0, len(cand) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if math.isfinite(_min_sum_dp(tabs.time, cand[mid])[0]):
+            hi = mid
+        else:
+            lo = mid + 1
+    best, best_cuts = _INF, None
+    for T in cand[lo:]:
+        if min_sum + (m - 1) * T >= best:
+            break
+        g, cuts = _min_sum_dp(tabs.time, T)
+        if g + (m - 1) * T < best:
+            best, best_cuts = g + (m - 1) * T, cuts
+        if g <= min_sum:
+            break  # larger T cannot lower the sum further
+    stages = []
+    for s, (i, j) in enumerate(zip(best_cuts, best_cuts[1:])):
+        level, rec = tabs.options[int(tabs.option[s, i, j])]
+        stages.append(StageChoice(int(i), int(j), level, rec))
+    return best, stages
+
+
+# ----------------------------------------------------------------------------------------------
+# Outer search
+# ----------------------------------------------------------------------------------------------
+def _knob_space(prob: PlanningProblem) -> list[Knobs]:
+    out = []
+    gb = prob.global_batch
+    for p in prob.degrees():
+        dp = prob.world_size // p
+        for b in prob.micro_batch_sizes:
+            if isinstance(gb, int):
+                if gb % (b * dp):
+                    continue
+                ms = [gb // (b * dp)]
+            else:
+                lo, hi = gb
+                ms = [m for m in range(max(1, math.ceil(lo / (b * dp))), hi // (b * dp) + 1)]
+            for m, sched, a, g, o8 in product(
+                ms, prob.schedules, prob.activation_codecs, prob.gradient_codecs, prob.optimizer_8bit
+            ):
+                out.append(Knobs(p, b, m, sched, a, g, o8))
+    if not out:
+        raise ValueError(
+            f"global_batch={gb} cannot be split into micro_batch_sizes={prob.micro_batch_sizes} "
+            f"on world_size={prob.world_size} with pipeline degrees {prob.degrees()}"
+        )
+    return out
+
+
+def _to_plan(prob: PlanningProblem, k: Knobs, stages: list[StageChoice], ev: dict, notes: list[str]) -> Plan:
+    sp = [
+        StagePlan(
+            layers=(c.first, c.last),
+            formats=[layer.format_for(c.level) for layer in prob.layers[c.first : c.last]],
+            recompute=c.recompute,
+            time_per_microbatch=t,
+            memory=mem,
+        )
+        for c, t, mem in zip(stages, ev["stage_times"], ev["memory"])
+    ]
+    return Plan(
+        world_size=prob.world_size,
+        pipeline_degree=k.pipeline_degree,
+        micro_batch_size=k.micro_batch_size,
+        num_microbatches=k.num_microbatches,
+        schedule=k.schedule,
+        stages=sp,
+        layer_names=[layer.name for layer in prob.layers],
+        activation_codec=k.activation_codec.as_dict,
+        gradient_codec=k.gradient_codec.as_dict,
+        optimizer_8bit=k.optimizer_8bit,
+        predicted_step_time=ev["step_time"],
+        predicted_bubble_fraction=ev["bubble_fraction"],
+        memory_budget=prob.memory_budget,
+        notes=notes,
+    )
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _infeasible_message(prob: PlanningProblem, space: list[Knobs]) -> str:
+    """The smallest budget any knob setting needs (min over partitions of the max stage memory)."""
+    best = (_INF, None, None)
+    for k in space:
+        relaxed = PlanningProblem(**{**prob.__dict__, "memory_budget": None})
+        tabs = _segment_tables(relaxed, k)
+        p, N = k.pipeline_degree, len(prob.layers) + 1
+        f = np.full(N, _INF)
+        f[0] = 0.0
+        back = []
+        for s in range(p):
+            tot = np.maximum(f[:, None], tabs.min_memory[s])
+            back.append(tot.argmin(axis=0))
+            f = tot.min(axis=0)
+        if f[N - 1] < best[0]:
+            cuts, j = [N - 1], N - 1
+            for s in range(p - 1, -1, -1):
+                j = int(back[s][j])
+                cuts.append(j)
+            best = (float(f[N - 1]), k, cuts[::-1])
+    need, k, cuts = best
+    # describe the fullest stage of that partition at its most frugal option
+    worst = None
+    options = _segment_tables(PlanningProblem(**{**prob.__dict__, "memory_budget": None}), k).options
+    for s, (i, j) in enumerate(zip(cuts, cuts[1:])):
+        for level, rec in options:
+            mem = stage_memory(prob, k, StageChoice(i, j, level, rec), s)
+            if abs(sum(mem.values()) - need) < 1:
+                worst = (s, i, j, level, rec, mem)
+    msg = (
+        f"memory_budget={prob.memory_budget} B ({_fmt_bytes(prob.memory_budget)}) per stage is too small: "
+        f"the smallest budget that fits is {need:.0f} B ({_fmt_bytes(need)}), with pipeline degree "
+        f"{k.pipeline_degree}, micro-batch {k.micro_batch_size}, boundaries {cuts}"
+    )
+    if worst:
+        s, i, j, level, rec, mem = worst
+        fill = ", ".join(f"{c} {_fmt_bytes(v)}" for c, v in mem.items() if v)
+        msg += f"; its fullest stage {s} (layers {i}-{j - 1}, level {level}, recompute {rec}) holds {fill}"
+    return msg
+
+
+def plan_pipeline(prob: PlanningProblem) -> Plan:
+    """The plan with the smallest predicted step time per sample that fits the budget.
+
+    With a fixed global batch this is the smallest step time; with a range it is the highest
+    samples/s.
+
+    Raises:
+        InfeasibleBudgetError: nothing fits; the message names the smallest budget that does and
+            what fills it.
+    """
+    t0 = time.perf_counter()
+    space = _knob_space(prob)
+    best = None
+    for k in space:
+        res = solve_partition(prob, k)
+        if res is None:
+            continue
+        _, stages = res
+        ev = evaluate_stages(prob, k, stages)
+        score = ev["step_time"] / (k.global_batch_per_replica * (prob.world_size // k.pipeline_degree))
+        if best is None or score < best[0]:
+            best = (score, k, stages, ev)
+    if best is None:
+        raise InfeasibleBudgetError(_infeasible_message(prob, space))
+    _, k, stages, ev = best
+    notes = [f"searched {len(space)} knob settings in {time.perf_counter() - t0:.3f} s"]
+    return _to_plan(prob, k, stages, ev, notes)
+
+
+# ----------------------------------------------------------------------------------------------
+# The baseline a DeepSpeed user would configure
+# ----------------------------------------------------------------------------------------------
+def _partition_balanced(weights: list[float], parts: int) -> list[int]:
+    from deepspeed.runtime.utils import partition_balanced
+
+    return [int(x) for x in partition_balanced(weights, parts)]
+
+
+def _partition_uniform(num: int, parts: int) -> list[int]:
+    from deepspeed.runtime.utils import partition_uniform
+
+    return [int(x) for x in partition_uniform(num, parts)]
+
+
+def baseline_plan(
+    prob: PlanningProblem, method: str = "parameters", pipeline_degree: int | None = None
+) -> Plan:
+    """What a DeepSpeed user would run: ``partition_method`` ``parameters`` (or ``uniform``),
+    training-dtype weights, no compression, fp32 Adam, recomputation only if needed to fit, and the
+    largest micro-batch that fits (the global batch is the problem's, or its upper end).
+
+    Raises:
+        InfeasibleBudgetError: nothing fits even with recomputation at micro-batch 1.
+    """
+    p = pipeline_degree or max(prob.degrees())
+    dp = prob.world_size // p
+    L = len(prob.layers)
+    if method == "parameters":
+        parts = _partition_balanced([layer.params for layer in prob.layers], p)
+    elif method == "uniform":
+        parts = _partition_uniform(L, p)
+    else:
+        raise ValueError(f"method={method!r}: the baseline uses 'parameters' or 'uniform'")
+    gb = prob.global_batch if isinstance(prob.global_batch, int) else prob.global_batch[1]
+    for b in sorted(prob.micro_batch_sizes, reverse=True):
+        if gb % (b * dp):
+            continue
+        k = Knobs(p, b, gb // (b * dp), "1f1b", NO_CODEC, NO_CODEC, False)
+        for rec in (False, True):
+            stages = [StageChoice(i, j, "none", rec) for i, j in zip(parts, parts[1:])]
+            ev = evaluate_stages(prob, k, stages)
+            if ev["fits"]:
+                note = f"baseline: DeepSpeed partition_method={method!r}, largest fitting micro-batch"
+                return _to_plan(prob, k, stages, ev, [note])
+    raise InfeasibleBudgetError(
+        f"the DeepSpeed baseline (partition_method={method!r}, p={p}) does not fit "
+        f"memory_budget={prob.memory_budget} B at any micro-batch size in {prob.micro_batch_sizes}"
+    )

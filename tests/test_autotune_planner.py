@@ -1,0 +1,243 @@
+"""The planner's DP against brute force, the baseline comparison, infeasible budgets, plan JSON."""
+
+from __future__ import annotations
+
+import json
+import random
+from itertools import combinations, product
+
+import pytest
+
+from deepspeed_ppq.autotune.costs import CodecOption, LayerProfile, LinkModel, optimizer_bytes
+from deepspeed_ppq.autotune.plan import PLAN_SCHEMA_VERSION, Plan, PlanError, load_plan
+from deepspeed_ppq.autotune.planner import (
+    InfeasibleBudgetError,
+    Knobs,
+    PlanningProblem,
+    StageChoice,
+    baseline_plan,
+    evaluate_stages,
+    plan_pipeline,
+    solve_partition,
+)
+
+FORMATS = {"none": 1.0, "int8": 0.25, "nf4": 0.14}
+
+
+def _layer(rng: random.Random, name: str, kind: str, params: int, flops: float) -> LayerProfile:
+    allowed = ["none"] if kind != "block" else ["none", "int8", "nf4"]
+    times = {}
+    for f in allowed:
+        slow = 1.0 + rng.uniform(0.0, 0.3) * (f != "none")  # dequantization overhead
+        times[f] = {mb: [flops * mb * slow, flops * mb * slow, flops * mb * slow * 0.9] for mb in (1, 2, 4)}
+    return LayerProfile(
+        name=name,
+        kind=kind,
+        param_numels=[params, 64],
+        quantizable_params=params if kind == "block" else 0,
+        allowed_formats=allowed,
+        times=times,
+        weight_bytes={f: int(4 * params * FORMATS[f]) + 256 for f in allowed},
+        saved_bytes={f: int(rng.uniform(2, 6) * 4096) for f in allowed},
+        input_bytes=4096,
+        output_bytes=4096,
+    )
+
+
+def _problem(seed: int, n_layers: int, heavy_ends: bool = False, **kw) -> PlanningProblem:
+    rng = random.Random(seed)
+    layers = []
+    for i in range(n_layers):
+        kind = "embed" if i == 0 else "head" if i == n_layers - 1 else "block"
+        if heavy_ends and kind != "block":
+            params, flops = 40_000, 1.2e-2  # vocab-sized: few FLOPs per parameter on the embedding
+            if kind == "embed":
+                flops = 3e-4
+        else:
+            params, flops = rng.randint(5_000, 20_000), rng.uniform(1e-3, 3e-3)
+        layers.append(_layer(rng, f"l{i}", kind, params, flops))
+    kw.setdefault("link", LinkModel(latency_s=1e-4, bandwidth_Bps=1e8))
+    return PlanningProblem(layers=layers, **kw)
+
+
+def _brute_force(prob: PlanningProblem, k: Knobs) -> float:
+    L, p = len(prob.layers), k.pipeline_degree
+    options = [(lv, r) for lv in prob.levels() for r in ((False, True) if prob.allow_recompute else (False,))]
+    best = float("inf")
+    for cuts in combinations(range(1, L), p - 1):
+        b = [0, *cuts, L]
+        for opts in product(options, repeat=p):
+            stages = [StageChoice(i, j, lv, r) for (i, j), (lv, r) in zip(zip(b, b[1:]), opts)]
+            ev = evaluate_stages(prob, k, stages)
+            if ev["fits"]:
+                best = min(best, ev["pipeline_time"])
+    return best
+
+
+def _knobs(p: int, b: int, m: int, **kw) -> Knobs:
+    from deepspeed_ppq.autotune.costs import NO_CODEC
+
+    d = dict(schedule="1f1b", activation_codec=NO_CODEC, gradient_codec=NO_CODEC, optimizer_8bit=False)
+    d.update(kw)
+    return Knobs(p, b, m, **d)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_dp_equals_brute_force(seed):
+    rng = random.Random(100 + seed)
+    L, p = rng.choice([(5, 2), (6, 3), (7, 3)])
+    prob = _problem(seed, L, world_size=p, global_batch=8)
+    k = _knobs(
+        p,
+        rng.choice([1, 2]),
+        rng.choice([2, 4, 8]),
+        schedule=rng.choice(["1f1b", "gpipe"]),
+        optimizer_8bit=bool(seed % 2),
+    )
+    # a budget that binds: between the smallest and largest stage memory of an even split
+    free = evaluate_stages(
+        prob, k, [StageChoice(i * L // p, (i + 1) * L // p, "none", False) for i in range(p)]
+    )
+    peaks = sorted(sum(mm.values()) for mm in free["memory"])
+    prob.memory_budget = int(peaks[0] + rng.uniform(0.2, 0.9) * (peaks[-1] - peaks[0]))
+    expected = _brute_force(prob, k)
+    got = solve_partition(prob, k)
+    if expected == float("inf"):
+        assert got is None
+        return
+    value, stages = got
+    assert value == pytest.approx(expected, rel=1e-12)
+    ev = evaluate_stages(prob, k, stages)  # the DP's tables agree with the loop-by-loop model
+    assert ev["fits"] and ev["pipeline_time"] == pytest.approx(value, rel=1e-12)
+
+
+def test_whole_search_equals_brute_force_over_knobs():
+    codecs = [
+        CodecOption.make({"method": "none"}),
+        CodecOption.make(
+            {"method": "quant", "bits": 8},
+            wire_ratio=0.26,
+            encode_s_per_byte=2e-9,
+            decode_s_per_byte=1e-9,
+            bits=8,
+        ),
+    ]
+    prob = _problem(
+        3,
+        6,
+        world_size=3,
+        global_batch=8,
+        pipeline_degrees=[1, 3],
+        micro_batch_sizes=[1, 2, 4],
+        activation_codecs=codecs,
+        gradient_codecs=codecs,
+        optimizer_8bit=[False, True],
+    )
+    prob.memory_budget = 450_000
+    plan = plan_pipeline(prob)
+    best = float("inf")
+    for p, b in product([1, 3], [1, 2, 4]):
+        for a, g, o8 in product(codecs, codecs, [False, True]):
+            best = min(
+                best,
+                _brute_force(
+                    prob, _knobs(p, b, 8 // b, activation_codec=a, gradient_codec=g, optimizer_8bit=o8)
+                ),
+            )
+    assert plan.predicted_step_time == pytest.approx(best, rel=1e-12)
+    assert all(s.peak_memory <= prob.memory_budget for s in plan.stages)
+
+
+def test_heavy_embedding_and_head_beat_deepspeed_partitions():
+    prob = _problem(
+        0,
+        18,
+        heavy_ends=True,
+        world_size=4,
+        global_batch=16,
+        micro_batch_sizes=[1, 2, 4],
+        pipeline_degrees=[4],
+    )
+    tuned = plan_pipeline(prob)
+    for method in ("parameters", "uniform"):
+        base = baseline_plan(prob, method)
+        assert tuned.predicted_step_time < base.predicted_step_time, method
+        # same knobs, only the partition differs: the DP alone must beat DeepSpeed's split
+        k = _knobs(4, base.micro_batch_size, base.num_microbatches)
+        assert (
+            solve_partition(prob, k)[0]
+            < evaluate_stages(prob, k, [StageChoice(*s.layers, "none", s.recompute) for s in base.stages])[
+                "pipeline_time"
+            ]
+        )
+
+
+def test_freed_memory_goes_to_pipeline_fill():
+    """Micro-batch fixed at 4: fp32 Adam states force the baseline to recompute under this budget;
+    8-bit states free enough memory to keep the activations, which is faster."""
+    prob = _problem(
+        5,
+        10,
+        world_size=2,
+        global_batch=16,
+        micro_batch_sizes=[4],
+        pipeline_degrees=[2],
+        optimizer_8bit=[False, True],
+    )
+    base_free = baseline_plan(prob)
+    assert not any(s.recompute for s in base_free.stages)
+    prob.memory_budget = int(max(s.peak_memory for s in base_free.stages) * 0.8)
+    base = baseline_plan(prob)
+    tuned = plan_pipeline(prob)
+    assert all(s.recompute for s in base.stages)
+    assert tuned.optimizer_8bit and not any(s.recompute for s in tuned.stages)
+    assert all(s.peak_memory <= prob.memory_budget for s in tuned.stages)
+    assert tuned.predicted_step_time < base.predicted_step_time
+
+
+def test_infeasible_budget_names_smallest_fit():
+    prob = _problem(1, 6, world_size=2, global_batch=4, micro_batch_sizes=[1, 2])
+    prob.memory_budget = 1000
+    with pytest.raises(
+        InfeasibleBudgetError, match=r"memory_budget=1000 B .* smallest budget that fits is (\d+) B"
+    ):
+        plan_pipeline(prob)
+    try:
+        plan_pipeline(prob)
+    except InfeasibleBudgetError as e:
+        need = int(str(e).split("smallest budget that fits is ")[1].split(" B")[0])
+        assert "optimizer" in str(e) and "weights" in str(e)
+    prob.memory_budget = need  # the reported budget does fit
+    assert max(s.peak_memory for s in plan_pipeline(prob).stages) <= need
+    prob.memory_budget = need - 2
+    with pytest.raises(InfeasibleBudgetError):
+        plan_pipeline(prob)
+
+
+def test_bad_batch_split_is_a_clear_error():
+    prob = _problem(1, 4, world_size=2, global_batch=3, micro_batch_sizes=[2])
+    with pytest.raises(ValueError, match="global_batch=3 cannot be split"):
+        plan_pipeline(prob)
+
+
+def test_optimizer_bytes_8bit():
+    assert optimizer_bytes([100], True) == 800  # small tensors keep fp32 states
+    assert optimizer_bytes([8192], False) == 65536
+    assert optimizer_bytes([8192], True) == 2 * (8192 + 4 * 32 + 1024)
+
+
+def test_plan_json_round_trip_and_version(tmp_path):
+    prob = _problem(2, 8, world_size=2, global_batch=8)
+    plan = plan_pipeline(prob)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    back = load_plan(path)
+    assert back.to_dict() == plan.to_dict()
+    d = json.loads(path.read_text())
+    assert d["derived"]["deepspeed"]["ppq"]["partition"]["boundaries"] == plan.boundaries
+    d["schema_version"] = PLAN_SCHEMA_VERSION + 1
+    with pytest.raises(PlanError, match=f"schema_version={PLAN_SCHEMA_VERSION + 1} is not supported"):
+        Plan.from_dict(d)
+    flags = " ".join(plan.megatron_flags())
+    assert "--pipeline-model-parallel-layout E" in flags and flags.count("|") == plan.pipeline_degree - 1
+    assert f"--global-batch-size {plan.global_batch}" in flags
