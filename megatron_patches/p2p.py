@@ -118,12 +118,16 @@ class BoundaryCodecs:
             return None
         from deepspeed_ppq.compress import BoundaryDecoder, BoundaryEncoder
 
+        direction = name.split()[0]
         if kind == "encoder":
-            return BoundaryEncoder(c, name=name, nonfinite=self.cfg.nonfinite)
-        return BoundaryDecoder(c, name=name)
+            return BoundaryEncoder(c, name=name, nonfinite=self.cfg.nonfinite, direction=direction)
+        return BoundaryDecoder(c, name=name, direction=direction)
 
     def active(self, direction: str, training: bool) -> bool:
-        """Whether ``direction`` travels compressed on this call (same answer on both ends)."""
+        """Whether ``direction`` goes through its codec on this call (same answer on both ends).
+
+        Warm-up steps and evaluation without ``eval_compressed`` send the tensor itself.
+        """
         c: CodecConfig = getattr(self.cfg, direction)
         if not c.enabled:
             return False
@@ -131,10 +135,10 @@ class BoundaryCodecs:
             return self.steps >= self.cfg.warmup_steps
         return c.eval_compressed
 
-    def payload_nbytes(self, direction: str, shape, dtype: torch.dtype) -> int:
-        from deepspeed_ppq.compress import payload_nbytes
-
-        return int(payload_nbytes(getattr(self.cfg, direction), tuple(shape), dtype))
+    def payload_nbytes(self, direction: str, shape, dtype: torch.dtype, training: bool) -> int:
+        """Bytes of the payload the other end sends in ``direction`` for a tensor of ``shape``."""
+        side = self.act_recv if direction == "activations" else self.grad_recv
+        return int(side.nbytes(tuple(shape), dtype, training=training))
 
     # -- the four directions ------------------------------------------------------------------------
     def encode_activation(self, x: torch.Tensor, training: bool) -> torch.Tensor:
@@ -142,26 +146,23 @@ class BoundaryCodecs:
         if training and self.reuse:
             self.sent_indices.append(self.act_send.last_indices)
         self._count("activations", x, payload)
-        return payload
+        return payload.to(x.device)
 
     def decode_activation(self, payload, out: torch.Tensor, training: bool) -> None:
-        y = self.act_recv.decode(payload, tuple(out.shape), out.dtype, training=training)
+        self.act_recv.decode(payload, tuple(out.shape), out.dtype, training=training, out=out)
         if training and self.reuse:
             self.recv_indices.append(self.act_recv.last_indices)
-        with torch.no_grad():
-            out.copy_(y)
 
     def encode_gradient(self, g: torch.Tensor, training: bool) -> torch.Tensor:
-        indices = self._pop(self.recv_indices, "received activation") if self.reuse else None
-        payload = self.grad_send.encode(g.detach(), training=training, indices=indices)
+        indices = self._pop(self.recv_indices, "received activation") if self.reuse and training else None
+        payload = self.grad_send.encode(g.detach().contiguous(), training=training, indices=indices)
         self._count("gradients", g, payload)
-        return payload
+        return payload.to(g.device)
 
     def decode_gradient(self, payload, out: torch.Tensor, training: bool) -> None:
-        indices = self._pop(self.sent_indices, "sent activation") if self.reuse else None
-        y = self.grad_recv.decode(payload, tuple(out.shape), out.dtype, training=training, indices=indices)
-        with torch.no_grad():
-            out.copy_(y)
+        indices = self._pop(self.sent_indices, "sent activation") if self.reuse and training else None
+        self.grad_recv.decode(payload, tuple(out.shape), out.dtype, training=training, indices=indices,
+                              out=out)
 
     def _pop(self, queue: deque, what: str):
         if not queue:
@@ -289,13 +290,13 @@ class PPQP2PCommunicator(_p2p.P2PCommunicator):
             tensor_recv_prev = torch.empty(recv_prev_shape, requires_grad=True, device=device,
                                            dtype=config.pipeline_dtype)
             wire_recv_prev = (torch.empty(codecs.payload_nbytes("activations", recv_prev_shape,
-                                                                config.pipeline_dtype),
+                                                                config.pipeline_dtype, training),
                                           dtype=torch.uint8, device=device) if act_on else tensor_recv_prev)
         if recv_next:
             tensor_recv_next = torch.empty(recv_next_shape, requires_grad=True, device=device,
                                            dtype=config.pipeline_dtype)
             wire_recv_next = (torch.empty(codecs.payload_nbytes("gradients", recv_next_shape,
-                                                                config.pipeline_dtype),
+                                                                config.pipeline_dtype, training),
                                           dtype=torch.uint8, device=device) if grad_on else tensor_recv_next)
 
         def finish_prev():

@@ -18,14 +18,13 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-
 from dist_utils import write_result
 
 H, SEQ, MB, NUM_MB, LAYERS_PER_CHUNK = 16, 4, 2, 4, 2
 
 
 class Chunk(torch.nn.Module):
-    """A pipeline chunk in the form megatron-core's schedules expect (config, model_type, set_input_tensor)."""
+    """A pipeline chunk as megatron-core's schedules want it (config, model_type, set_input_tensor)."""
 
     def __init__(self, config, layers: list[torch.nn.Linear], first: bool):
         super().__init__()
@@ -52,7 +51,8 @@ def full_layers(n: int) -> list[torch.nn.Linear]:
 
 def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(100 + step)
-    return [(torch.randn(SEQ, MB, H, generator=g), torch.randn(SEQ, MB, H, generator=g)) for _ in range(NUM_MB)]
+    return [(torch.randn(SEQ, MB, H, generator=g), torch.randn(SEQ, MB, H, generator=g))
+            for _ in range(NUM_MB)]
 
 
 def loss_func(target, out):
@@ -76,28 +76,27 @@ def reference_grads(ppq, n_chunks: int, steps: int) -> list[list[torch.Tensor]]:
         if cfg.activations.enabled or cfg.gradients.enabled:
             from deepspeed_ppq.compress import BoundaryDecoder, BoundaryEncoder
 
-            def codec(c, cls, name):
+            def pair(c, direction, name):
                 if not c.enabled:
-                    return None
-                return cls(c, name=name, nonfinite=cfg.nonfinite) if cls is BoundaryEncoder else cls(c, name=name)
-            boundaries.append((codec(cfg.activations, BoundaryEncoder, f"a{b}"),
-                               codec(cfg.activations, BoundaryDecoder, f"a{b}"),
-                               codec(cfg.gradients, BoundaryEncoder, f"g{b}"),
-                               codec(cfg.gradients, BoundaryDecoder, f"g{b}")))
+                    return None, None
+                return (BoundaryEncoder(c, name=name, nonfinite=cfg.nonfinite, direction=direction),
+                        BoundaryDecoder(c, name=name, direction=direction))
+            boundaries.append((*pair(cfg.activations, "activations", f"a{b}"),
+                               *pair(cfg.gradients, "gradients", f"g{b}")))
         else:
             boundaries.append(None)
     out = []
     for step in range(steps):
         for layer in layers:
             layer.zero_grad(set_to_none=True)
-        compress = step >= cfg.warmup_steps
+        warm = step < cfg.warmup_steps
         for x, y in batches(step):
             h = x
             for i, layer in enumerate(layers):
-                if i and i % LAYERS_PER_CHUNK == 0 and boundaries[i // LAYERS_PER_CHUNK - 1] and compress:
+                if i and i % LAYERS_PER_CHUNK == 0 and boundaries[i // LAYERS_PER_CHUNK - 1]:
                     from deepspeed_ppq.compress import compressed_boundary
 
-                    h = compressed_boundary(h, *boundaries[i // LAYERS_PER_CHUNK - 1])
+                    h = compressed_boundary(h, *boundaries[i // LAYERS_PER_CHUNK - 1], uncompressed=warm)
                 h = torch.tanh(layer(h))
             (torch.nn.functional.mse_loss(h, y) / NUM_MB).backward()
         out.append([t.grad.clone() for layer in layers for t in (layer.weight, layer.bias)])
@@ -146,7 +145,8 @@ def run_case(case: dict, rank: int) -> dict:
         iters = [iter(data) for _ in model] if vp else iter(data)
         with cpu_shim():
             res = fb(forward_step_func=forward_step, data_iterator=iters, model=model if vp else model[0],
-                     num_microbatches=NUM_MB, seq_length=SEQ, micro_batch_size=MB, forward_only=False, **extra)
+                     num_microbatches=NUM_MB, seq_length=SEQ, micro_batch_size=MB, forward_only=False,
+                     **extra)
         losses.append([float(r["loss"]) for r in res])
         grads.append([t.grad.clone() for m in model for t in m.parameters()])
     codecs = (next(iter(bound.shared_codecs.values())) if case["route"] == "install" else comm.codecs)
@@ -155,12 +155,15 @@ def run_case(case: dict, rank: int) -> dict:
 
     ref = reference_grads(case["ppq"], n_chunks, steps)
     ref_plain = reference_grads({}, n_chunks, steps)
-    own = [2 * (k * LAYERS_PER_CHUNK + j) + t for k in chunk_ids for j in range(LAYERS_PER_CHUNK) for t in (0, 1)]
+    own = [2 * (k * LAYERS_PER_CHUNK + j) + t
+           for k in chunk_ids for j in range(LAYERS_PER_CHUNK) for t in (0, 1)]
 
     def max_diff(a, b):
-        return max(float((x - y).abs().max()) for s in range(steps) for x, y in zip(a[s], [b[s][i] for i in own]))
+        return max(float((x - y).abs().max())
+                   for s in range(steps) for x, y in zip(a[s], [b[s][i] for i in own]))
 
-    return {"name": case["name"], "max_diff": max_diff(grads, ref), "max_diff_uncompressed": max_diff(grads, ref_plain),
+    return {"name": case["name"], "max_diff": max_diff(grads, ref),
+            "max_diff_uncompressed": max_diff(grads, ref_plain),
             "max_grad": max(float(g.abs().max()) for s in grads for g in s), "losses": losses,
             "raw_bytes": codecs.raw_bytes, "wire_bytes": codecs.wire_bytes, "steps_seen": codecs.steps}
 
