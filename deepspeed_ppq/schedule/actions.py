@@ -133,23 +133,24 @@ class Schedule:
         return format_grid(self)
 
 
-def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None, limit: int = 48) -> str:
-    """The step-by-rank grid of a schedule; ``mark=(rank, index)`` is shown as ``>>1F0<<``.
+def format_grid(schedule: Schedule, mark: tuple[int, int] | list[tuple[int, int]] | None = None,
+                limit: int = 48) -> str:
+    """The step-by-rank grid of a schedule; each marked ``(rank, index)`` is shown as ``>>1F0<<``.
 
     Args:
         schedule: the schedule to print.
-        mark: the cell to highlight (the failing action), if any.
-        limit: at most this many columns around the marked cell.
+        mark: the cell or cells to highlight (the failing actions), if any.
+        limit: at most this many columns, around the first marked cell.
     """
     rows = [[str(a) for a in row] for row in schedule.actions]
+    marks = [mark] if isinstance(mark, tuple) else list(mark or [])
     ncol = max((len(r) for r in rows), default=0)
     lo, hi = 0, ncol
     if ncol > limit:
-        centre = mark[1] if mark else 0
+        centre = min(i for _, i in marks) if marks else 0
         lo = max(0, min(centre - limit // 2, ncol - limit))
         hi = lo + limit
-    if mark is not None:
-        r, i = mark
+    for r, i in marks:
         if 0 <= r < len(rows) and 0 <= i < len(rows[r]):
             rows[r][i] = f">>{rows[r][i]}<<"
     width = max([len(c) for row in rows for c in row[lo:hi]] + [4])

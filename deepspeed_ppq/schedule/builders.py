@@ -6,14 +6,15 @@
 - ``interleaved``: Megatron's interleaved 1F1B with ``v`` chunks per rank (``m`` a multiple of ``p``).
 - ``zbh1``: ZB-H1 from "Zero Bubble Pipeline Parallelism" (Qi et al., 2024): backward split into B
   (input gradient) and W (weight gradient); at most ``p - s`` micro-batches in flight on stage ``s``
-  until their W, as 1F1B, so activation memory is the same; W fills what would be bubbles.
+  between F and B, as 1F1B, so the activation peak is 1F1B's plus the small inputs that pending Ws
+  keep; W fills what would be bubbles. Bubble ``(p-1)(F+B-W)`` against 1F1B's ``(p-1)(F+B+W)``.
 - ``chimera``: two pipelines in opposite directions (Li & Hoefler, 2021), even micro-batches down,
   odd ones up; each rank holds one piece of each of two model replicas.
 - ``deepspeed``: the order DeepSpeed 0.19's ``TrainSchedule`` runs (``deepspeed/runtime/pipe/
   schedule.py``): lock-step 1F1B over ``2 * (m + p - 1)`` steps, forward on steps of the stage's parity.
 
-``zbh1`` and ``chimera`` are built by a list scheduler on unit costs with the memory limits above
-(``_greedy``); the others follow their papers' formulas.
+``chimera`` is built by a list scheduler on unit costs with the memory limits above (``_greedy``);
+the others follow their papers' formulas.
 """
 
 from __future__ import annotations
@@ -93,12 +94,14 @@ def deepspeed_train(p: int, m: int) -> Schedule:
     return Schedule("deepspeed", p, m, tuple(rows))
 
 
-def _greedy(name: str, p: int, m: int, v: int, placement: str, split: bool, limit) -> Schedule:
+def _greedy(name: str, p: int, m: int, v: int, placement: str, split: bool, limit,
+            w_cap=lambda r: 0) -> Schedule:
     """List-schedule on unit costs: each free rank runs a ready B first, then F (within ``limit``),
     then a pending W; ties go to the lowest micro-batch.
 
-    ``limit(rank, chunk)`` caps micro-batches in flight on that chunk (from its F until its last
-    backward action).
+    ``limit(rank, chunk)`` caps micro-batches in flight on that chunk, from its F until its B (the
+    activations B frees); a W still pending holds only the smaller ``weight_grad_inputs``, and once
+    ``w_cap(rank)`` Ws are pending the rank runs a W before anything else.
     """
     probe = Schedule(name, p, m, tuple(() for _ in range(p)), v, placement)
     routes = [probe.route(k) for k in range(m)]
@@ -121,8 +124,12 @@ def _greedy(name: str, p: int, m: int, v: int, placement: str, split: bool, limi
         started = []
         for r in range(p):
             choice = None
+            # 0) too many weight gradients pending
+            if split and len(pending_w[r]) > w_cap(r):
+                piece, k, c = pending_w[r].pop(0)
+                choice = ("W", piece, k, c)
             # 1) a ready backward
-            for piece, k, c in sorted(todo[r], key=lambda x: (x[1], -x[0])):
+            for piece, k, c in sorted(todo[r], key=lambda x: (x[1], -x[0])) if choice is None else ():
                 if ("F", piece, k) in done and ("B", piece, k) not in done and done["F", piece, k] <= t and (
                         piece == n - 1 or done.get(("B", piece + 1, k), t + 1) <= t):
                     choice = ("B", piece, k, c)
@@ -148,18 +155,30 @@ def _greedy(name: str, p: int, m: int, v: int, placement: str, split: bool, limi
                 inflight[r, c] += 1
             elif kind == "B":
                 todo[r].remove((piece, k, c))
+                inflight[r, c] -= 1
                 if split:
                     pending_w[r].append((piece, k, c))
-                else:
-                    inflight[r, c] -= 1
-            else:
-                inflight[r, c] -= 1
         t += 1
     return Schedule(name, p, m, tuple(tuple(r) for r in rows), v, placement)
 
 
 def zbh1(p: int, m: int) -> Schedule:
-    return _greedy("zbh1", p, m, 1, "interleaved", True, lambda r, c: p - r)
+    """1F1B's F/B order with B the input gradient; stage ``s`` runs the W of a micro-batch ``s`` Bs
+    later, so the input-gradient chain back to stage 0 never waits for a weight gradient and the
+    deferred Ws fill the cool-down. At most ``s`` Ws are pending on stage ``s``."""
+    base = one_f_one_b(p, m)
+    rows = []
+    for s, row in enumerate(base.actions):
+        out, nb = [], 0
+        for a in row:
+            out.append(a)
+            if a.kind == "B":
+                if nb >= s:
+                    out.append(Action(s, "W", nb - s))
+                nb += 1
+        out += [Action(s, "W", k) for k in range(max(0, m - s), m)]
+        rows.append(tuple(out))
+    return Schedule("zbh1", p, m, tuple(rows))
 
 
 def chimera(p: int, m: int) -> Schedule:

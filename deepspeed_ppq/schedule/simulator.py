@@ -107,7 +107,7 @@ class StageStats:
     end: float = 0.0            # when its last action ended
     peak_memory: dict = field(default_factory=dict)   # category -> bytes at the rank's peak
     peak_total: int = 0
-    peak_inflight: int = 0      # micro-batch-chunks whose activations were held at once
+    peak_inflight: int = 0      # micro-batch-chunks held at once between their F and B
     memory_timeline: list = field(default_factory=list)  # [(time, activation bytes)] after each change
 
 
@@ -330,7 +330,7 @@ def simulate(schedule: Schedule, costs: list[StageCost], boundary_bytes: list[tu
                     b_end[piece][mb] = end
                     busy[r] += end - start
                     freed = act_mem[r] - held_w[r] if split else act_mem[r]
-                    mem_events[r].append((end, -freed, 0 if split else -1))
+                    mem_events[r].append((end, -freed, -1))
                     t = end
                     if piece > 0:
                         dst = route[piece - 1][0]
@@ -352,7 +352,7 @@ def simulate(schedule: Schedule, costs: list[StageCost], boundary_bytes: list[tu
                     start = be if be > t else t
                     end = start + dur_w[piece]
                     busy[r] += end - start
-                    mem_events[r].append((end, -held_w[r], -1))
+                    mem_events[r].append((end, -held_w[r], 0))
                     t = end
                 events.append((r, "FBW"[k], mb, chunk, piece, start, end))
                 i += 1
@@ -362,12 +362,7 @@ def simulate(schedule: Schedule, costs: list[StageCost], boundary_bytes: list[tu
                 clock[r] = t
                 progressed = True
         if not progressed:
-            stuck = next(r for r in range(p) if pc[r] < lens[r])
-            a = schedule.actions[stuck][pc[stuck]]
-            raise ScheduleError(
-                f"deadlock: no rank can make progress; rank {stuck} waits at action {a} (index {pc[stuck]}) "
-                f"for an input that no rank can produce first\n" + format_grid(schedule, (stuck, pc[stuck]))
-            )
+            raise ScheduleError(_deadlock_message(schedule, prog, pc, f_end, b_end))
 
     # Optimizer step per rank: the sum over the pieces it holds.
     opt = [0.0] * p
@@ -386,6 +381,33 @@ def simulate(schedule: Schedule, costs: list[StageCost], boundary_bytes: list[tu
         stats.append(st)
     bubble = sum(s.idle for s in stats) / (p * step) if step > 0 else 0.0
     return SimResult(step, bubble, stats, events, schedule)
+
+
+def _deadlock_message(schedule: Schedule, prog, pc, f_end, b_end) -> str:
+    """Which action each stuck rank waits at, and what it waits for."""
+    n = schedule.num_pieces
+    lines, marks = [], []
+    for r, ins in enumerate(prog):
+        if pc[r] >= len(ins):
+            continue
+        k, piece, mb, _ = ins[pc[r]]
+        route = schedule.route(mb)
+        if k == _F:
+            need = ("F", piece - 1)
+        elif k == _B:
+            need = ("F", piece) if f_end[piece][mb] < 0 else ("B", piece + 1)
+        else:
+            need = ("B", piece)
+        kind, q = need
+        assert 0 <= q < n
+        rank, chunk = route[q]
+        tail = f"c{chunk}" if chunk else ""
+        lines.append(f"rank {r} waits at {schedule.actions[r][pc[r]]} (index {pc[r]}) for "
+                     f"{rank}{kind}{mb}{tail}"
+                     + (", which comes later in its own program" if rank == r else ""))
+        marks.append((r, pc[r]))
+    return ("deadlock: no rank can make progress\n  " + "\n  ".join(lines) + "\n"
+            + format_grid(schedule, marks))
 
 
 def _memory_peak(st: StageStats, evs: list, mem: StageMemory | None) -> None:
