@@ -232,66 +232,91 @@ class _Tables:
     min_memory: np.ndarray  # [p, N, N] smallest peak memory over options (for infeasibility reports)
 
 
-def _segment_tables(prob: PlanningProblem, k: Knobs) -> _Tables:
+def _prefix(vals) -> np.ndarray:
+    return np.concatenate([[0.0], np.cumsum(np.asarray(vals, dtype=float))])
+
+
+def _seg(pre: np.ndarray) -> np.ndarray:
+    """``out[i, j] = pre[j] - pre[i]``: the sum over layers ``[i, j)``."""
+    return pre[None, :] - pre[:, None]
+
+
+def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool) -> tuple:
+    """Per stage option (level, recompute): compute time, static bytes, activation bytes per
+    in-flight micro-batch and transient bytes of every segment. Independent of codecs, schedule and
+    pipeline degree, so ``plan_pipeline`` caches it per (micro-batch size, optimizer)."""
+    layers, L = prob.layers, len(prob.layers)
+    N = L + 1
+    options = [(lv, r) for lv in prob.levels() for r in ((False, True) if prob.allow_recompute else (False,))]
+    in_b = np.array([layer.input_bytes for layer in layers], dtype=float)
+    shape = (len(options), N, N)
+    t_opt, static_opt, act_opt, transient_opt = (np.zeros(shape) for _ in range(4))
+    per_level = {}
+    for level in prob.levels():
+        fmts = [layer.format_for(level) for layer in layers]
+        tm = np.array([layer.time(f, b) for layer, f in zip(layers, fmts)])
+        stat = [sum(layer.static_bytes(f, optimizer_8bit).values()) for layer, f in zip(layers, fmts)]
+        saved = np.array([layer.saved_bytes[f] * b for layer, f in zip(layers, fmts)], dtype=float)
+        per_level[level] = (
+            _seg(_prefix(tm[:, 0])),
+            _seg(_prefix(tm[:, 1] + tm[:, 2])),
+            _seg(_prefix(stat)),
+            saved,
+        )
+    for o, (level, rec) in enumerate(options):
+        fwd, bwd, stat, saved = per_level[level]
+        t_opt[o] = fwd * (2 if rec else 1) + bwd
+        static_opt[o] = stat
+        if rec:  # each layer's input kept; one layer's full activations live during its backward
+            act_opt[o] = _seg(_prefix(in_b * b))
+            for i in range(L):
+                transient_opt[o, i, i + 1 :] = np.maximum.accumulate(saved[i:])
+        else:
+            act_opt[o] = _seg(_prefix(saved))
+    return options, t_opt, static_opt, act_opt, transient_opt
+
+
+def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) -> _Tables:
     """Vectorised ``stage_time``/``stage_memory`` for every segment ``[i, j)`` and stage position."""
     layers, L, b = prob.layers, len(prob.layers), k.micro_batch_size
     N, p = L + 1, k.pipeline_degree
-    options = [(lv, r) for lv in prob.levels() for r in ((False, True) if prob.allow_recompute else (False,))]
+    key = (b, k.optimizer_8bit)
+    if cache is None or key not in cache:
+        tabs = _option_tables(prob, b, k.optimizer_8bit)
+        if cache is not None:
+            cache[key] = tabs
+    else:
+        tabs = cache[key]
+    options, t_compute, static_opt, act_opt, transient_opt = tabs
     ii, jj = np.meshgrid(np.arange(N), np.arange(N), indexing="ij")
     valid = jj > ii
-
-    def prefix(vals: list[float]) -> np.ndarray:
-        return np.concatenate([[0.0], np.cumsum(vals)])
-
-    def seg(pre: np.ndarray) -> np.ndarray:
-        return pre[None, :] - pre[:, None]
-
-    # boundary costs: receive side depends on i, send side on j
+    # boundary costs: the receive side depends on i, the send side on j
     recv_side = np.array([_boundary_times(prob, k, i, L) if i < L else 0.0 for i in range(N)])
     send_side = np.array([_boundary_times(prob, k, 0, j) if j > 0 else 0.0 for j in range(N)])
-    bnd = recv_side[ii] + send_side[jj]
+    t_opt = np.where(valid, t_compute + (recv_side[ii] + send_side[jj]), _INF)
     in_b = np.array([layer.input_bytes for layer in layers] + [0], dtype=float)
     out_b = np.array([0] + [layer.output_bytes for layer in layers], dtype=float)  # out_b[j]: layer j-1
-    has_grad_buf = (jj < L).astype(float)
     buf_per = b * (in_b[ii] + out_b[jj])  # one pipe buffer: stage input + stage output
-    grad_buf = b * out_b[jj] * has_grad_buf
-
-    n_opt = len(options)
-    t_opt = np.full((n_opt, N, N), _INF)
-    static_opt = np.zeros((n_opt, N, N))
-    act_opt = np.zeros((n_opt, N, N))  # per in-flight micro-batch
-    transient_opt = np.zeros((n_opt, N, N))
-    for o, (level, rec) in enumerate(options):
-        fmts = [layer.format_for(level) for layer in layers]
-        tm = [layer.time(f, b) for layer, f in zip(layers, fmts)]
-        fwd = prefix([x[0] for x in tm])
-        bwd = prefix([x[1] + x[2] for x in tm])
-        t_opt[o] = np.where(valid, seg(fwd) * (2 if rec else 1) + seg(bwd) + bnd, _INF)
-        stat = prefix(
-            [sum(layer.static_bytes(f, k.optimizer_8bit).values()) for layer, f in zip(layers, fmts)]
-        )
-        static_opt[o] = seg(stat)
-        saved = np.array([layer.saved_bytes[f] * b for layer, f in zip(layers, fmts)], dtype=float)
-        if rec:
-            act_opt[o] = seg(prefix(list(in_b[:L] * b)))
-            segmax = np.zeros((N, N))
-            for i in range(L):
-                segmax[i, i + 1 :] = np.maximum.accumulate(saved[i:])
-            transient_opt[o] = segmax
-        else:
-            act_opt[o] = seg(prefix(list(saved)))
+    grad_buf = b * out_b[jj] * (jj < L)
     t_tab = np.full((p, N, N), _INF)
     opt_tab = np.full((p, N, N), -1, dtype=np.int64)
     min_mem = np.full((p, N, N), _INF)
     budget = _INF if prob.memory_budget is None else float(prob.memory_budget)
+    done: dict[tuple[int, int], int] = {}
     for s in range(p):
-        n_act, n_buf = _inflight(k.schedule, p, s, k.num_microbatches)
-        mem = static_opt + n_act * act_opt + transient_opt + n_buf * buf_per + grad_buf  # [O, N, N]
+        held = _inflight(k.schedule, p, s, k.num_microbatches)
+        if held in done:  # same in-flight counts as an earlier stage position: same tables
+            t_tab[s], opt_tab[s], min_mem[s] = t_tab[done[held]], opt_tab[done[held]], min_mem[done[held]]
+            continue
+        done[held] = s
+        n_act, n_buf = held
+        mem = static_opt + n_act * act_opt + transient_opt + (n_buf * buf_per + grad_buf)  # [O, N, N]
         mem = np.where(valid, mem, _INF)
         min_mem[s] = mem.min(axis=0)
         t_fit = np.where(mem <= budget, t_opt, _INF)
-        opt_tab[s] = np.where(np.isfinite(t_fit.min(axis=0)), t_fit.argmin(axis=0), -1)
-        t_tab[s] = t_fit.min(axis=0)
+        best = t_fit.min(axis=0)
+        opt_tab[s] = np.where(np.isfinite(best), t_fit.argmin(axis=0), -1)
+        t_tab[s] = best
     return _Tables(t_tab, opt_tab, options, min_mem)
 
 
@@ -315,13 +340,19 @@ def _min_sum_dp(tab: np.ndarray, bound: float) -> tuple[float, list[int] | None]
     return float(f[N - 1]), cuts[::-1]
 
 
-def solve_partition(prob: PlanningProblem, k: Knobs) -> tuple[float, list[StageChoice]] | None:
-    """Exact minimum of the pipeline term for fixed outer knobs, or ``None`` if nothing fits.
+def solve_partition(
+    prob: PlanningProblem, k: Knobs, upper: float = _INF, cache: dict | None = None
+) -> tuple[float, list[StageChoice]] | None:
+    """Exact minimum of the pipeline term for fixed outer knobs.
+
+    Args:
+        upper: only solutions strictly below this pipeline time are of interest (pruning).
+        cache: reused between calls for the same problem (``plan_pipeline`` passes one).
 
     Returns:
-        ``(pipeline_time, stages)``.
+        ``(pipeline_time, stages)``, or ``None`` if nothing fits (or nothing beats ``upper``).
     """
-    tabs = _segment_tables(prob, k)
+    tabs = _segment_tables(prob, k, cache)
     m = k.num_microbatches
     min_sum, _ = _min_sum_dp(tabs.time, _INF)
     if not math.isfinite(min_sum):
@@ -335,7 +366,7 @@ def solve_partition(prob: PlanningProblem, k: Knobs) -> tuple[float, list[StageC
             hi = mid
         else:
             lo = mid + 1
-    best, best_cuts = _INF, None
+    best, best_cuts = upper, None
     for T in cand[lo:]:
         if min_sum + (m - 1) * T >= best:
             break
@@ -344,6 +375,8 @@ def solve_partition(prob: PlanningProblem, k: Knobs) -> tuple[float, list[StageC
             best, best_cuts = g + (m - 1) * T, cuts
         if g <= min_sum:
             break  # larger T cannot lower the sum further
+    if best_cuts is None:
+        return None
     stages = []
     for s, (i, j) in enumerate(zip(best_cuts, best_cuts[1:])):
         level, rec = tabs.options[int(tabs.option[s, i, j])]
@@ -468,14 +501,16 @@ def plan_pipeline(prob: PlanningProblem) -> Plan:
     """
     t0 = time.perf_counter()
     space = _knob_space(prob)
-    best = None
+    best, cache = None, {}
     for k in space:
-        res = solve_partition(prob, k)
+        samples = k.global_batch_per_replica * (prob.world_size // k.pipeline_degree)
+        upper = _INF if best is None else best[0] * samples  # extras >= 0: the pipeline term must beat it
+        res = solve_partition(prob, k, upper, cache)
         if res is None:
             continue
         _, stages = res
         ev = evaluate_stages(prob, k, stages)
-        score = ev["step_time"] / (k.global_batch_per_replica * (prob.world_size // k.pipeline_degree))
+        score = ev["step_time"] / samples
         if best is None or score < best[0]:
             best = (score, k, stages, ev)
     if best is None:
