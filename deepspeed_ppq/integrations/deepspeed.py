@@ -1,0 +1,540 @@
+"""Compressed stage-to-stage traffic inside DeepSpeed's ``PipelineEngine``.
+
+``initialize(...)`` is a drop-in for ``deepspeed.initialize``: it reads the top-level ``"ppq"`` section
+of the DeepSpeed config and, for a ``PipelineModule``, builds a ``PPQPipelineEngine``. That subclass
+replaces the four p2p instructions of DeepSpeed's schedule (send/recv of activations and gradients);
+everything else (schedules, data loading, optimizer, checkpoints) is stock DeepSpeed.
+
+Wire protocol, per micro-batch and boundary ``b`` (stage ``b`` -> ``b+1``):
+
+* the logical shapes and dtypes go once, through DeepSpeed's own tensor meta (``_send_tensor_meta``);
+  each side then computes the payload size with ``payload_nbytes`` -- no per-step metadata;
+* activations: ``[sample_ids int64[B] (AQ-SGD only)]`` then, for each tensor of the output tuple, a
+  flat uint8 payload (floating tensors) or the tensor itself (integer/bool tensors, uncompressed);
+* gradients: one uint8 payload per floating tensor of the tuple, in order.
+
+Per-boundary state (EF, EF21, AQ-SGD buffers) lives in one ``BoundaryEncoder``/``BoundaryDecoder`` per
+(boundary, direction, tuple index). TopK index reuse is keyed by the micro-batch buffer: stage ``b`` keeps
+the indices it chose for the activation in buffer ``i``, stage ``b+1`` keeps the ones it decoded, and the
+gradient for that buffer travels as values only.
+
+Start-up: adjacent stages exchange their codec settings (JSON + SHA-256) and both stop with an error
+naming the differing fields if they disagree. Non-finite values: with ``ppq.nonfinite="error"`` the
+sender flags the payload and raises, the receiver sees the flag and raises too (both name the stage and
+boundary); with ``"skip"`` the receiver decodes NaN, and all ranks all-reduce a flag before the optimizer
+step and skip it together.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import time
+import warnings
+from typing import Any
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.pipe import p2p, schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.module import PipelineModule
+
+from deepspeed_ppq.config import CodecConfig, PPQConfig, PPQConfigError, load_ppq_config
+
+__all__ = ["initialize", "PPQPipelineEngine", "CodecMismatchError", "NonFiniteStepError", "codec_settings"]
+
+_DIRECTIONS = ("act", "grad")
+_STAT_FIELDS = ("raw_bytes", "wire_bytes", "side_bytes", "messages", "encode_s", "decode_s")
+
+
+class CodecMismatchError(RuntimeError):
+    """Two adjacent stages were started with different codec settings."""
+
+
+class NonFiniteStepError(RuntimeError):
+    """A tensor crossing a stage boundary held NaN/Inf and ``ppq.nonfinite`` is ``"error"``."""
+
+
+def codec_settings(cfg: PPQConfig) -> dict:
+    """The part of the ``"ppq"`` config that both sides of a boundary must agree on."""
+    return {
+        "activations": cfg.activations.model_dump(mode="json"),
+        "gradients": cfg.gradients.model_dump(mode="json"),
+        "aqsgd": cfg.aqsgd.model_dump(mode="json", include={"enabled", "warmup_steps"}),
+        "warmup_steps": cfg.warmup_steps,
+        "nonfinite": cfg.nonfinite,
+    }
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _own(x):
+    """A copy of ``x`` (tensor or tuple of tensors) that no reused buffer aliases."""
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_own(v) for v in x)
+    return x
+
+
+def _as_tuple(x) -> tuple:
+    return (x,) if isinstance(x, torch.Tensor) else tuple(x)
+
+
+class PPQPipelineEngine(PipelineEngine):
+    """``PipelineEngine`` whose activations and gradients cross stage boundaries compressed.
+
+    Built by ``deepspeed_ppq.initialize``; takes the ``PipelineEngine`` arguments plus:
+
+    Args:
+        ppq_config: the ``"ppq"`` section (``PPQConfig``, dict, path or ``None``).
+        ppq_sample_ids: the data iterator yields ``(inputs, labels, sample_ids)`` batches (needed by
+            AQ-SGD; implied when ``training_data`` items are 3-tuples).
+    """
+
+    def __init__(self, *args, ppq_config: PPQConfig | dict | str | None = None,
+                 ppq_sample_ids: bool | None = None, **kwargs):
+        self.ppq = load_ppq_config(ppq_config)
+        self._aqsgd = self.ppq.aqsgd.enabled
+        if self._aqsgd:
+            _check_sample_ids(kwargs.get("training_data"), ppq_sample_ids)
+        super().__init__(*args, **kwargs)
+        self._compressing = self.ppq.activations.enabled or self.ppq.gradients.enabled
+        if self._compressing and (self.is_pipe_partitioned or self.has_bool_tensors):
+            raise NotImplementedError(
+                "ppq compression does not support pipe_partitioned/grad_partitioned (tensor parallel > 1) "
+                "or has_bool_tensors; set ppq.activations.method and ppq.gradients.method to 'none'"
+            )
+        self._encoders: dict[tuple[str, int], Any] = {}
+        self._decoders: dict[tuple[str, int], Any] = {}
+        self._payload_bufs: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._sent_indices: dict[int, dict[int, Any]] = {}  # buffer -> tuple index -> TopK indices
+        self._recv_indices: dict[int, dict[int, Any]] = {}
+        self._sample_ids: dict[int, torch.Tensor] = {}  # buffer -> int64[B]
+        self._pending_ids: torch.Tensor | None = None
+        self._nonfinite_where: list[str] = []
+        self._stats = {(b, d): dict.fromkeys(_STAT_FIELDS, 0.0)
+                       for b in range(self.num_stages - 1) for d in _DIRECTIONS}
+        if self.is_pipe_parallel:
+            self._handshake()
+
+    # ----------------------------------------------------------------- set-up
+    def _handshake(self) -> None:
+        """Exchange codec settings with both neighbours; stop both sides on a mismatch."""
+        mine = codec_settings(self.ppq)
+        blob = json.dumps(mine, sort_keys=True).encode()
+        problems = []
+        # Boundary with the previous stage first, then the next: a chain, so no deadlock.
+        if not self.is_first_stage():
+            theirs = self._exchange_blob(self.prev_stage, blob, send_first=False)
+            problems += self._compare(mine, theirs, self.prev_stage)
+        if not self.is_last_stage():
+            theirs = self._exchange_blob(self.next_stage, blob, send_first=True)
+            problems += self._compare(mine, theirs, self.next_stage)
+        if problems:
+            raise CodecMismatchError("\n".join(problems))
+
+    def _exchange_blob(self, peer: int, blob: bytes, send_first: bool) -> bytes:
+        def send():
+            p2p.send(torch.tensor([len(blob)], dtype=torch.int64, device=self.device), peer)
+            p2p.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device), peer)
+
+        def recv() -> bytes:
+            n = torch.zeros(1, dtype=torch.int64, device=self.device)
+            p2p.recv(n, peer)
+            buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=self.device)
+            p2p.recv(buf, peer)
+            return bytes(buf.cpu().numpy().tobytes())
+
+        if send_first:
+            send()
+            return recv()
+        out = recv()
+        send()
+        return out
+
+    def _compare(self, mine: dict, theirs_blob: bytes, peer: int) -> list[str]:
+        theirs = json.loads(theirs_blob)
+        if hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).digest() == \
+                hashlib.sha256(theirs_blob).digest():
+            return []
+        a, b = _flatten(mine), _flatten(theirs)
+        diffs = [f"ppq.{k}: stage {self.stage_id} has {a.get(k)!r}, stage {peer} has {b.get(k)!r}"
+                 for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        lo, hi = sorted((self.stage_id, peer))
+        return [f"codec settings differ across boundary {lo} (stage {lo} -> {hi}); every stage must be "
+                "started with the same ppq activations/gradients/aqsgd/warmup_steps/nonfinite settings:\n  "
+                + "\n  ".join(diffs)]
+
+    def _boundary(self, direction: str, sending: bool) -> int:
+        """The boundary index this stage talks over for ``direction``."""
+        forward = direction == "act"
+        return self.stage_id if forward == sending else self.stage_id - 1
+
+    def _codec(self, direction: str) -> CodecConfig:
+        return self.ppq.activations if direction == "act" else self.ppq.gradients
+
+    def _name(self, direction: str, boundary: int, idx: int) -> str:
+        what = "activations" if direction == "act" else "gradients"
+        return f"boundary {boundary} (stage {boundary} -> {boundary + 1}) {what}[{idx}]"
+
+    def _encoder(self, direction: str, idx: int):
+        key = (direction, idx)
+        if key not in self._encoders:
+            from deepspeed_ppq.compress import BoundaryEncoder
+
+            b = self._boundary(direction, sending=True)
+            self._encoders[key] = BoundaryEncoder(
+                self._codec(direction), name=self._name(direction, b, idx),
+                aqsgd=self.ppq.aqsgd if direction == "act" and self._aqsgd else None,
+                nonfinite="skip")  # flag it in the payload, so the receiver stops (or skips) too
+        return self._encoders[key]
+
+    def _decoder(self, direction: str, idx: int):
+        key = (direction, idx)
+        if key not in self._decoders:
+            from deepspeed_ppq.compress import BoundaryDecoder
+
+            b = self._boundary(direction, sending=False)
+            self._decoders[key] = BoundaryDecoder(
+                self._codec(direction), name=self._name(direction, b, idx),
+                aqsgd=self.ppq.aqsgd if direction == "act" and self._aqsgd else None)
+        return self._decoders[key]
+
+    def _payload_buffer(self, direction: str, idx: int, nbytes: int) -> torch.Tensor:
+        key = (direction, idx, nbytes)
+        buf = self._payload_bufs.get(key)
+        if buf is None:
+            buf = self._payload_bufs[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buf
+
+    def _compress_now(self, direction: str) -> bool:
+        """Whether ``direction`` is compressed right now (both sides compute the same answer)."""
+        cfg = self._codec(direction)
+        if not cfg.enabled or self.global_steps < self.ppq.warmup_steps:
+            return False
+        return True if self.module.training else cfg.eval_compressed
+
+    # ---------------------------------------------------------------- data path
+    def _next_batch(self):
+        batch = super()._next_batch()
+        if isinstance(batch, (tuple, list)) and len(batch) == 3:
+            self._pending_ids = torch.as_tensor(batch[2]).to(self.device, torch.int64).reshape(-1)
+            batch = (batch[0], batch[1])
+        elif self._aqsgd and self.module.training:
+            raise PPQConfigError(
+                "ppq.aqsgd.enabled=true: every training batch must be (inputs, labels, sample_ids); "
+                f"got a {type(batch).__name__} of length {len(batch) if hasattr(batch, '__len__') else '?'}"
+            )
+        return batch
+
+    def _exec_load_micro_batch(self, buffer_id):
+        self._pending_ids = None
+        super()._exec_load_micro_batch(buffer_id)
+        if self._pending_ids is not None:
+            self._sample_ids[buffer_id] = self._pending_ids
+
+    def _needs_ids(self) -> bool:
+        return self._aqsgd and self.module.training and self._compress_now("act")
+
+    # ------------------------------------------------------------- activations
+    def _exec_send_activations(self, buffer_id):
+        if not self._compress_now("act"):
+            return super()._exec_send_activations(buffer_id)
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        if self.dynamic_shape or self.first_output_send:
+            self.first_output_send = False
+            self._send_tensor_meta(outputs, self.next_stage)
+        stats = self._stats[(self.stage_id, "act")]
+        ids = None
+        if self._needs_ids():
+            ids = self._sample_ids.get(buffer_id)
+            if ids is None:
+                raise PPQConfigError("ppq.aqsgd.enabled=true but this micro-batch came without sample_ids")
+            p2p.send(ids, self.next_stage)
+            stats["side_bytes"] += ids.numel() * ids.element_size()
+        kept = self._sent_indices.setdefault(buffer_id, {})
+        for idx, t in enumerate(_as_tuple(outputs)):
+            if not t.is_floating_point():
+                p2p.send(t, self.next_stage)
+                stats["side_bytes"] += t.numel() * t.element_size()
+                continue
+            enc = self._encoder("act", idx)
+            t0 = time.perf_counter()
+            payload = enc.encode(t.detach(), training=self.module.training, sample_ids=ids)
+            stats["encode_s"] += time.perf_counter() - t0
+            kept[idx] = enc.last_indices
+            self._check_flag(payload, "act", self.stage_id, idx, sender=True)
+            p2p.send(payload, self.next_stage)
+            stats["raw_bytes"] += t.numel() * t.element_size()
+            stats["wire_bytes"] += payload.numel()
+            stats["messages"] += 1
+            self._raise_if_sender_flagged()
+
+    def _exec_recv_activations(self, buffer_id):
+        if not self._compress_now("act"):
+            return super()._exec_recv_activations(buffer_id)
+        from deepspeed_ppq.compress import payload_nbytes
+
+        if self.dynamic_shape or self.pipe_recv_buf is None:
+            self.pipe_recv_buf = self._recv_tensor_meta(self.prev_stage)
+        logical = _as_tuple(self.pipe_recv_buf)
+        b = self.stage_id - 1
+        ids = None
+        if self._needs_ids():
+            ids = torch.empty(self.micro_batch_size, dtype=torch.int64, device=self.device)
+            p2p.recv(ids, self.prev_stage)
+            self._sample_ids[buffer_id] = ids  # forwarded with this micro-batch's activation
+        cfg = self.ppq.activations
+        kept = self._recv_indices.setdefault(buffer_id, {})
+        recvd = []
+        for idx, buf in enumerate(logical):
+            if not buf.is_floating_point():
+                p2p.recv(buf, self.prev_stage)
+                recvd.append(buf.clone().detach())
+                continue
+            payload = self._payload_buffer("act", idx, payload_nbytes(cfg, tuple(buf.shape), buf.dtype))
+            p2p.recv(payload, self.prev_stage)
+            dec = self._decoder("act", idx)
+            t0 = time.perf_counter()
+            x = dec.decode(payload, tuple(buf.shape), buf.dtype, training=self.module.training,
+                           sample_ids=ids)
+            self._stats[(b, "act")]["decode_s"] += time.perf_counter() - t0
+            kept[idx] = _own(dec.last_indices)  # the payload buffer is reused
+            self._check_flag(payload, "act", b, idx, sender=False)
+            x = x.detach()
+            x.requires_grad = True
+            recvd.append(x)
+        self.pipe_buffers["inputs"][buffer_id] = recvd[0] if isinstance(self.pipe_recv_buf, torch.Tensor) \
+            else tuple(recvd)
+
+    # --------------------------------------------------------------- gradients
+    def _exec_send_grads(self, buffer_id):
+        if not self._compress_now("grad"):
+            return super()._exec_send_grads(buffer_id)
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        b = self.stage_id - 1
+        stats = self._stats[(b, "grad")]
+        reuse = self._reuse_indices()
+        kept = self._recv_indices.pop(buffer_id, {})
+        for idx, t in enumerate(_as_tuple(inputs)):
+            if not t.is_floating_point():
+                continue
+            if t.grad is None:
+                raise RuntimeError(f"stage {self.stage_id}: input {idx} of micro-batch buffer {buffer_id} "
+                                   "has no gradient to send back")
+            enc = self._encoder("grad", idx)
+            t0 = time.perf_counter()
+            payload = enc.encode(t.grad, training=True, indices=kept.get(idx) if reuse else None)
+            stats["encode_s"] += time.perf_counter() - t0
+            self._check_flag(payload, "grad", b, idx, sender=True)
+            p2p.send(payload, self.prev_stage)
+            stats["raw_bytes"] += t.grad.numel() * t.grad.element_size()
+            stats["wire_bytes"] += payload.numel()
+            stats["messages"] += 1
+            self._raise_if_sender_flagged()
+        self.pipe_buffers["inputs"][buffer_id] = None
+        self._sample_ids.pop(buffer_id, None)
+
+    def _exec_recv_grads(self, buffer_id):
+        if not self._compress_now("grad"):
+            return super()._exec_recv_grads(buffer_id)
+        from deepspeed_ppq.compress import payload_nbytes
+
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        cfg = self.ppq.gradients
+        reuse = self._reuse_indices()
+        kept = self._sent_indices.pop(buffer_id, {})
+        grads = []
+        for idx, t in enumerate(_as_tuple(outputs)):
+            if not t.is_floating_point():
+                continue
+            nbytes = payload_nbytes(cfg, tuple(t.shape), t.dtype, values_only=reuse)
+            payload = self._payload_buffer("grad", idx, nbytes)
+            p2p.recv(payload, self.next_stage)
+            dec = self._decoder("grad", idx)
+            t0 = time.perf_counter()
+            g = dec.decode(payload, tuple(t.shape), t.dtype, training=True,
+                           indices=kept.get(idx) if reuse else None)
+            self._stats[(self.stage_id, "grad")]["decode_s"] += time.perf_counter() - t0
+            self._check_flag(payload, "grad", self.stage_id, idx, sender=False)
+            grads.append(g)
+        self.grad_layer = grads[0] if isinstance(outputs, torch.Tensor) else grads
+
+    def _reuse_indices(self) -> bool:
+        g = self.ppq.gradients
+        return g.method == "topk" and g.reuse_indices
+
+    # -------------------------------------------------------------- non-finite
+    def _check_flag(self, payload: torch.Tensor, direction: str, boundary: int, idx: int,
+                    sender: bool) -> None:
+        from deepspeed_ppq.compress.codecs import payload_status
+
+        if payload_status(payload) == 0:
+            return
+        where = f"stage {self.stage_id}, {self._name(direction, boundary, idx)}"
+        self._nonfinite_where.append(where)
+        if self.ppq.nonfinite == "error" and not sender:
+            raise NonFiniteStepError(
+                f"NaN/Inf received at {where} (step {self.global_steps}); ppq.nonfinite='error' stops "
+                "training. Set ppq.nonfinite='skip' to skip such steps instead.")
+
+    def _raise_if_sender_flagged(self) -> None:
+        # Raised after the flagged payload went out, so the receiver stops as well instead of hanging.
+        if self.ppq.nonfinite == "error" and self._nonfinite_where:
+            raise NonFiniteStepError(
+                f"NaN/Inf to send at {self._nonfinite_where[-1]} (step {self.global_steps}); "
+                "ppq.nonfinite='error' stops training. Set ppq.nonfinite='skip' to skip such steps instead.")
+
+    def _exec_optimizer_step(self, lr_kwargs=None):
+        if self._compressing and self.ppq.nonfinite == "skip":
+            flag = torch.tensor([float(bool(self._nonfinite_where))], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() > 0:
+                self._skip_step()
+                return
+        super()._exec_optimizer_step(lr_kwargs)
+
+    def _skip_step(self) -> None:
+        where = "; ".join(self._nonfinite_where) or "another stage"
+        warnings.warn(f"ppq: skipping optimizer step {self.global_steps}: NaN/Inf crossed a stage boundary "
+                      f"(seen at {where})", RuntimeWarning, stacklevel=2)
+        self._nonfinite_where.clear()
+        if self.bfloat16_enabled() or self.zero_optimization() or self.fp16_enabled():
+            self.optimizer.zero_grad()
+        else:
+            self.zero_grad()
+        self.skipped_steps += 1
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+
+    # ------------------------------------------------------------------- stats
+    def train_batch(self, data_iter=None):
+        loss = super().train_batch(data_iter)
+        self._nonfinite_where.clear()
+        spp = self.steps_per_print() or 1
+        if self.monitor.enabled and self.global_steps % spp == 0:
+            stats = self.ppq_stats(all_stages=True)
+            if self.global_rank == 0:
+                self.monitor.write_events([(f"PPQ/boundary{b}/{d}/{k}", v, self.global_samples)
+                                           for (b, d), fields in sorted(stats.items())
+                                           for k, v in fields.items()])
+        return loss
+
+    def ppq_stats(self, all_stages: bool = False) -> dict[tuple[int, str], dict[str, float]]:
+        """Counters per ``(boundary, "act" | "grad")``: raw and on-wire bytes, side-channel bytes
+        (sample ids, integer tensors), messages, encode and decode seconds.
+
+        Args:
+            all_stages: sum over the pipeline group (a collective: every stage must call it); without
+                it each rank reports what it sent (bytes, encode time) and received (decode time).
+        """
+        keys = sorted(self._stats)
+        if not all_stages:
+            return {k: dict(self._stats[k]) for k in keys}
+        vec = torch.tensor([[self._stats[k][f] for f in _STAT_FIELDS] for k in keys],
+                           dtype=torch.float64, device=self.device)
+        if vec.numel():
+            dist.all_reduce(vec, group=self.grid.get_pipe_parallel_group())
+        return {k: dict(zip(_STAT_FIELDS, row.tolist())) for k, row in zip(keys, vec.cpu())}
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        schedule.OptimizerStep: _exec_optimizer_step,
+        schedule.LoadMicroBatch: _exec_load_micro_batch,
+        schedule.SendActivation: _exec_send_activations,
+        schedule.RecvActivation: _exec_recv_activations,
+        schedule.SendGrad: _exec_send_grads,
+        schedule.RecvGrad: _exec_recv_grads,
+    }
+
+
+def _check_sample_ids(training_data, declared: bool | None) -> None:
+    """AQ-SGD needs each sample's dataset index on every stage: fail at start-up if none will come."""
+    if training_data is not None:
+        item = training_data[0]
+        if isinstance(item, (tuple, list)) and len(item) == 3:
+            return
+        raise PPQConfigError(
+            "ppq.aqsgd.enabled=true needs the dataset index of every sample: training_data items must be "
+            f"(inputs, labels, sample_id), got {type(item).__name__} of length "
+            f"{len(item) if hasattr(item, '__len__') else '?'} (wrap it: deepspeed_ppq.integrations.WithSampleIds)")
+    if not declared:
+        raise PPQConfigError(
+            "ppq.aqsgd.enabled=true needs the dataset index of every sample, and no training_data was given: "
+            "pass sample_ids=True to deepspeed_ppq.initialize and make the data iterator yield "
+            "(inputs, labels, sample_ids) batches, or set ppq.aqsgd.enabled=false")
+
+
+def _resolve_ds_config(args, config, config_params) -> dict:
+    if config is None and config_params is not None:
+        config = config_params
+    if config is None and getattr(args, "deepspeed_config", None) is not None:
+        config = args.deepspeed_config
+    if config is None:
+        raise ValueError("DeepSpeed requires a config: pass config=... or args.deepspeed_config")
+    if isinstance(config, dict):
+        return config
+    from deepspeed.runtime.config import load_ds_config
+
+    return load_ds_config(config)
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, distributed_port: int = 29500, mpu=None, dist_init_required=None,
+               collate_fn=None, config=None, mesh_param=None, config_params=None, *,
+               sample_ids: bool | None = None):
+    """Drop-in for ``deepspeed.initialize`` that honours the config's top-level ``"ppq"`` section.
+
+    Args:
+        (as ``deepspeed.initialize``), plus
+        sample_ids: the data iterator yields ``(inputs, labels, sample_ids)`` (AQ-SGD needs it when no
+            ``training_data`` with 3-tuple items is given).
+
+    Returns:
+        ``(engine, optimizer, training_dataloader, lr_scheduler)`` as ``deepspeed.initialize``; for a
+        ``PipelineModule`` the engine is a ``PPQPipelineEngine``.
+
+    Raises:
+        PPQConfigError: a bad ``"ppq"`` section, explicit boundaries the module was not built with, or
+            AQ-SGD without sample indices.
+    """
+    import deepspeed
+
+    ds_config = _resolve_ds_config(args, config, config_params)
+    ppq = load_ppq_config(ds_config.get("ppq"))
+    if args is not None and getattr(args, "deepspeed_config", None) is not None:
+        config = None  # deepspeed.initialize reads it from args again
+    else:
+        config = ds_config
+    common = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                  training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
+                  dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                  mesh_param=mesh_param)
+    if not isinstance(model, PipelineModule):
+        if ppq.activations.enabled or ppq.gradients.enabled:
+            warnings.warn("ppq.activations/gradients compression applies to pipeline stages only; "
+                          "the model is not a PipelineModule", stacklevel=2)
+        return deepspeed.initialize(mpu=mpu, **common)
+    if ppq.partition.method == "explicit" and list(model.parts) != list(ppq.partition.boundaries):
+        raise PPQConfigError(
+            f"ppq.partition.boundaries={ppq.partition.boundaries} but the model was partitioned as "
+            f"{list(model.parts)}: build it with PPQPipelineModule.from_config(layers, num_stages, config)")
+    if ppq.aqsgd.enabled:
+        _check_sample_ids(training_data, sample_ids)
+    engine_cls = functools.partial(PPQPipelineEngine, ppq_config=ppq, ppq_sample_ids=sample_ids)
+    saved = deepspeed.PipelineEngine
+    deepspeed.PipelineEngine = engine_cls  # deepspeed.initialize looks the class up in its module globals
+    try:
+        return deepspeed.initialize(mpu=mpu, **common)
+    finally:
+        deepspeed.PipelineEngine = saved
