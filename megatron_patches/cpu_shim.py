@@ -9,6 +9,10 @@ megatron-core assumes CUDA in three places that a CPU run reaches (read in 0.16.
 :func:`cpu_shim` rewrites ``device="cuda..."`` keyword arguments to ``"cpu"`` through a
 ``TorchFunctionMode`` and replaces ``torch.cuda.current_device``/``synchronize`` for its duration.
 It is a test and development aid: production runs on GPUs never enter it.
+
+:func:`seed_cpu_rng_tracker` stands in for ``model_parallel_cuda_manual_seed``: megatron-core's
+RNG tracker (forked around dropout and weight init) keeps CUDA generator states; on CPU it keeps
+CPU generator states under the same names.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["cpu_shim"]
+__all__ = ["cpu_shim", "seed_cpu_rng_tracker"]
 
 
 def _is_cuda(device) -> bool:
@@ -55,3 +59,39 @@ def cpu_shim() -> Iterator[None]:
             yield
     finally:
         torch.cuda.current_device, torch.cuda.synchronize = saved
+
+
+def seed_cpu_rng_tracker(seed: int) -> None:
+    """Seed torch and register megatron-core's tracked RNG states on the CPU generator.
+
+    Mirrors ``tensor_parallel.model_parallel_cuda_manual_seed`` for TP=1 (the model-parallel and
+    data-parallel states get ``seed + 2718`` and ``seed``, as there).
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class _CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_ or name in self.states_:
+                raise RuntimeError(f"rng state {name} / seed {seed} already exists")
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise RuntimeError(f"rng state {name} is not added")
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(saved)
+
+    torch.manual_seed(seed)
+    tracker = _CpuRNGStatesTracker()
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718)
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
