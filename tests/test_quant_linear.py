@@ -1,0 +1,242 @@
+"""QuantLinear: gradients against a dense linear on the dequantized weight, the re-quantize hook with a
+plain optimizer, a bitsandbytes 8-bit optimizer and a real DeepSpeed engine, frozen mode with LoRA,
+conversion and checkpoints.
+
+The DeepSpeed part runs this file as a script in a fresh process (``run_ranks(__file__, 1)``), so the
+test process never holds a process group.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepspeed_ppq.config import WeightsConfig
+from deepspeed_ppq.models.gpt import GPT, GPTConfig, gpt_layers, gpt_loss, layer_kinds
+from deepspeed_ppq.quant import (
+    QuantLinear,
+    build_optimizer,
+    convert_model,
+    lora_parameters,
+    measure_storage,
+    quantize_weight,
+    requantize_after_step,
+)
+from deepspeed_ppq.quant.ledger import ledger_from_model
+
+FORMATS = ["int8", "int4", "nf4", "fp8_e4m3", "fp8_e5m2"]
+
+
+def _layer(fmt, mode="train", in_f=70, out_f=45, bias=True, **cfg):
+    torch.manual_seed(0)
+    lin = nn.Linear(in_f, out_f, bias=bias)  # 70*45 = 3150 values: the last 64-block is partial
+    return QuantLinear.from_linear(lin, fmt, WeightsConfig(format=fmt, mode=mode, **cfg))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gradients_match_dense_linear_on_dequantized_weight(fmt, dtype):
+    layer = _layer(fmt)
+    torch.manual_seed(1)
+    x = torch.randn(3, 5, 70, dtype=dtype, requires_grad=True)
+    gy = torch.randn(3, 5, 45, dtype=dtype)
+    y = layer(x)
+    y.backward(gy)
+
+    w = layer.dequantized_weight(dtype).requires_grad_()
+    b = layer.bias.detach().to(dtype).requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    yr = F.linear(xr, w, b)
+    yr.backward(gy)
+
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=0)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y, yr, **tol)
+    torch.testing.assert_close(x.grad, xr.grad, **tol)
+    assert layer.weight.grad.dtype == torch.float32  # the master's gradient
+    torch.testing.assert_close(layer.weight.grad, w.grad.float(), **tol)
+    torch.testing.assert_close(layer.bias.grad, b.grad.float(), **tol)
+
+
+def test_backward_saves_only_the_input_not_a_dense_weight():
+    layer = _layer("int4")
+    x = torch.randn(4, 70, requires_grad=True)
+    y = layer(x)
+    saved = [t for t in y.grad_fn.saved_tensors if t is not None]
+    assert [tuple(t.shape) for t in saved] == [(4, 70)]
+    # with a frozen weight (input grad only) nothing the size of the input is needed either
+    frozen = _layer("int4", mode="frozen")
+    y2 = frozen(x)
+    assert all(t is None for t in y2.grad_fn.next_functions[0][0].saved_tensors)
+
+
+def test_requantize_between_forward_and_backward_is_an_error():
+    layer = _layer("int8")
+    y = layer(torch.randn(2, 70))
+    layer.requantize_()
+    with pytest.raises(RuntimeError, match="re-quantized between forward and backward"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("kind", ["adam", "adam8bit"])
+def test_step_hook_requantizes_from_the_master(kind):
+    layer = _layer("int8", in_f=128, out_f=64)  # 8192 values: bnb keeps 8-bit states from 4096
+    opt = build_optimizer(layer.parameters(), kind, lr=1e-2)
+    before = layer.dequantized_weight().clone()
+    handle = requantize_after_step(opt, layer)
+    layer(torch.randn(8, 128)).square().mean().backward()
+    opt.step()
+    after = layer.dequantized_weight()
+    expected = quantize_weight(layer.weight.detach(), "int8").dequantize()
+    assert not torch.equal(after, before)
+    torch.testing.assert_close(after, expected, rtol=0, atol=0)
+    if kind == "adam8bit":
+        assert opt.state[layer.weight]["state1"].dtype == torch.uint8
+    # detached: the master moves on, the compute copy stays where it was
+    handle.remove()
+    layer(torch.randn(8, 128)).square().mean().backward()
+    opt.step()
+    torch.testing.assert_close(layer.dequantized_weight(), after, rtol=0, atol=0)
+
+
+def test_hook_refuses_an_optimizer_that_does_not_own_the_masters():
+    layer = _layer("int8")
+    other = nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="none of the 1 QuantLinear master weights"):
+        requantize_after_step(torch.optim.SGD(other.parameters(), lr=0.1), layer)
+
+
+def test_frozen_mode_lora():
+    layer = _layer("nf4", mode="frozen", lora_rank=4, lora_alpha=8.0)
+    assert layer.weight is None and not layer.bias.requires_grad
+    assert [tuple(p.shape) for p in lora_parameters(layer)] == [(4, 70), (45, 4)]
+    x = torch.randn(6, 70)
+    # B starts at zero: the output is the dequantized base
+    torch.testing.assert_close(layer(x), F.linear(x, layer.dequantized_weight(), layer.bias))
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    y = layer(x)
+    w = layer.dequantized_weight()
+    a, b = layer.lora_A.detach().requires_grad_(), layer.lora_B.detach().requires_grad_()
+    yr = F.linear(x, w, layer.bias) + (x @ a.t() @ b.t()) * (8.0 / 4)
+    torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-5)
+    y.square().sum().backward()
+    yr.square().sum().backward()
+    torch.testing.assert_close(layer.lora_A.grad, a.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(layer.lora_B.grad, b.grad, rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="frozen layer has no master"):
+        layer.requantize_()
+
+
+def test_convert_model_gpt_and_state_dict_roundtrip():
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=4)
+    blocks = [i for i, k in enumerate(layer_kinds(cfg)) if k == "block"]
+    model = convert_model(GPT(cfg), WeightsConfig(format="nf4"), block_layers=blocks)
+    kinds = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantLinear))}
+    assert kinds["1.attn.qkv"] == "Linear" and kinds["4.mlp.fc"] == "Linear"  # first and last block
+    assert kinds["2.attn.qkv"] == kinds["3.mlp.proj"] == "QuantLinear"
+    assert kinds["5.lm_head"] == "Linear"
+    sd = copy.deepcopy(model.state_dict())
+    other = convert_model(GPT(cfg, seed=1), WeightsConfig(format="nf4"), block_layers=blocks)
+    other.load_state_dict(sd)  # masters load, compute copies are re-quantized from them
+    x = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(other(x), model(x), rtol=0, atol=0)
+
+
+def test_frozen_state_dict_carries_the_codes():
+    a = _layer("int4", mode="frozen")
+    b = _layer("int4", mode="frozen", in_f=70, out_f=45)
+    with torch.no_grad():
+        b.qweight.requantize_(torch.randn(45, 70))
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(b.qweight.qdata, a.qweight.qdata) and torch.equal(b.qweight.scale, a.qweight.scale)
+    with pytest.raises(ValueError, match="checkpoint holds format 'int4', this layer is 'int8'"):
+        _layer("int8", mode="frozen").load_state_dict(a.state_dict())
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="fmt='none' means keep nn.Linear"):
+        QuantLinear(4, 4, fmt="none")
+    with pytest.raises(ValueError, match="weight has shape"):
+        QuantLinear(4, 4, fmt="int8", weight=torch.zeros(3, 4))
+    with pytest.raises(TypeError, match="input dtype torch.float16 is not supported"):
+        _layer("int8")(torch.randn(2, 70, dtype=torch.float16))
+
+
+# --- DeepSpeed engine (run as a script in a fresh process) --------------------------------------
+
+
+def _deepspeed_rank() -> None:
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    from dist_utils import write_result
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=4)
+    kinds = layer_kinds(cfg)
+    blocks = [i for i, k in enumerate(kinds) if k == "block"]
+    wcfg = WeightsConfig(format="int8", keep_first_blocks=1, keep_last_blocks=1)
+    ds_config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6,
+                 "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}}
+    out = {}
+
+    # 1. plain DeepSpeedEngine around the GPT
+    model = convert_model(GPT(cfg), wcfg, block_layers=blocks)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    requantize_after_step(engine, engine.module)
+    layer = engine.module[2].attn.qkv
+    before = layer.dequantized_weight().clone()
+    x = torch.randint(0, 64, (2, 16))
+    loss = gpt_loss(engine(x), x)
+    engine.backward(loss)
+    engine.step()
+    after = layer.dequantized_weight()
+    exact = quantize_weight(layer.weight.detach(), "int8").dequantize()
+    out["engine_changed"] = not torch.equal(after, before)
+    out["engine_matches_master"] = torch.equal(after, exact)
+    out["engine_optimizer"] = type(engine.basic_optimizer).__name__
+    # DeepSpeed frees the gradients in step(): measure during the next step, after backward,
+    # when gradients and optimizer states are both alive (the peak the ledger predicts)
+    engine.backward(gpt_loss(engine(x), x))
+    led = measure_storage(engine)
+    pred = ledger_from_model(engine.module, None, optimizer="adam")
+    out["ledger_equal"] = led.bytes == pred.bytes
+    out["ledger"] = [led.bytes, pred.bytes]
+
+    # 2. PipelineModule (1 stage): layer-index names "2.attn.qkv"
+    pipe = PipelineModule(layers=gpt_layers(cfg), num_stages=1, loss_fn=gpt_loss)
+    convert_model(pipe, wcfg, block_layers=blocks)
+    out["pipe_quantized"] = sorted(n for n, m in pipe.named_modules() if isinstance(m, QuantLinear))
+    pengine, *_ = deepspeed.initialize(model=pipe, model_parameters=pipe.parameters(), config=ds_config)
+    requantize_after_step(pengine, pengine.module)
+    q = next(m for m in pengine.module.modules() if isinstance(m, QuantLinear))
+    before = q.dequantized_weight().clone()
+    data = iter([(x, x)] * 4)
+    out["pipe_loss"] = float(pengine.train_batch(data_iter=data))
+    exact = quantize_weight(q.weight.detach(), "int8").dequantize()
+    out["pipe_changed"] = not torch.equal(q.dequantized_weight(), before)
+    out["pipe_matches_master"] = torch.equal(q.dequantized_weight(), exact)
+    write_result(out)
+
+
+@pytest.mark.distributed
+def test_requantize_hook_with_a_real_deepspeed_engine():
+    from dist_utils import run_ranks
+
+    (res,) = run_ranks(__file__, 1, ["--deepspeed-rank"], timeout=300)
+    assert res["engine_optimizer"] in ("Adam", "AdamW")  # torch optimizer inside the engine
+    assert res["engine_changed"] and res["engine_matches_master"]
+    assert res["ledger_equal"], "\n".join(map(str, res["ledger"]))
+    # blocks are layers 1..4; the first and last stay dense
+    assert res["pipe_quantized"] == [f"{i}.{n}" for i in (2, 3) for n in ("attn.proj", "attn.qkv", "mlp.fc",
+                                                                           "mlp.proj")]
+    assert res["pipe_changed"] and res["pipe_matches_master"]
+
+
+if __name__ == "__main__" and "--deepspeed-rank" in sys.argv:
+    _deepspeed_rank()
