@@ -1,0 +1,526 @@
+"""The tuning loop, run inside every rank of a gloo/NCCL job (``ppq tune`` starts the ranks).
+
+baseline profile -> plan the DeepSpeed baseline and the tuned plan -> run each with a real
+``PPQPipelineEngine`` (explicit boundaries, weights converted per plan, micro-batches set) for a few
+steps, measuring step time and memory per stage against the prediction -> validation loss against
+the baseline -> if worse than ``val_loss_tolerance``, take low-bit formats away from the most sensitive
+layers (largest measured weight error) or drop the most aggressive codec, re-plan -> stop when
+accepted or after ``max_iterations``. Every iteration is logged and ends up in the report.
+
+Measured memory on CPU: the storage of weights, masters, gradients and optimizer states
+(``quant.measure_storage`` just before an optimizer step, when gradients and states all exist), the
+peak of the activations autograd keeps alive (a ``saved_tensors_hooks`` ledger: each saved storage is
+counted while any saved reference to it lives) and DeepSpeed's pipe buffers. On CUDA
+``torch.cuda.max_memory_allocated`` is reported beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import statistics
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from deepspeed_ppq.autotune.costs import CodecOption, LayerProfile
+from deepspeed_ppq.autotune.plan import Plan
+from deepspeed_ppq.autotune.planner import (
+    InfeasibleBudgetError,
+    PlanningProblem,
+    baseline_plan,
+    plan_pipeline,
+)
+
+__all__ = ["TuneSpec", "run_tuning", "SavedTensorLedger"]
+
+
+@dataclass
+class TuneSpec:
+    """What to tune (the ``ppq tune`` arguments).
+
+    Attributes:
+        model: ``GPTConfig`` fields of the shared small GPT.
+        global_batch: samples per optimizer step.
+        memory_budget: bytes per stage (``None``: unlimited).
+        micro_batch_sizes, pipeline_degrees: candidates (``None`` degrees: all divisors).
+        formats: low-bit weight formats the planner may use (the policy decides where).
+        activation_codecs, gradient_codecs: candidate ``CodecConfig`` dicts; those under
+            ``min_activation_bits``/``min_gradient_bits`` are dropped.
+        weights: the ``WeightsConfig`` fields of the precision policy.
+        optimizer_8bit: let the planner choose 8-bit Adam states.
+    """
+
+    model: dict = field(
+        default_factory=lambda: {"vocab_size": 512, "seq_len": 64, "d_model": 128, "n_layers": 4}
+    )
+    global_batch: int = 8
+    memory_budget: int | None = None
+    micro_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4])
+    pipeline_degrees: list[int] | None = None
+    formats: list[str] = field(default_factory=lambda: ["int8"])
+    activation_codecs: list[dict] = field(default_factory=lambda: [{"method": "none"}])
+    gradient_codecs: list[dict] = field(default_factory=lambda: [{"method": "none"}])
+    weights: dict = field(default_factory=dict)
+    optimizer_8bit: bool = True
+    allow_recompute: bool = True
+    min_activation_bits: int = 4
+    min_gradient_bits: int = 8
+    trial_steps: int = 6
+    warmup_steps: int = 2
+    val_batches: int = 4
+    val_loss_tolerance: float = 0.01
+    max_iterations: int = 3
+    lr: float = 1e-3
+    seed: int = 0
+    corpus_bytes: int = 400_000
+    profile_reps: int = 5
+    profile_cache: str | None = None
+    out_dir: str = "ppq_tune"
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring memory
+# ----------------------------------------------------------------------------------------------
+class SavedTensorLedger:
+    """Peak bytes of the activations autograd keeps for backward (parameters excluded).
+
+    Use as a context manager around training; each saved storage counts once while any saved
+    reference to it is alive."""
+
+    def __init__(self, exclude: list[torch.Tensor] = ()):
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._refs: dict[int, list[int]] = {}  # storage ptr -> [nbytes, live references]
+        self.live = 0
+        self.peak = 0
+        self._ctx = None
+
+    def _pack(self, t: torch.Tensor):
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr in self._exclude or st.nbytes() == 0:
+            return t
+        holder = _Held(t)
+        entry = self._refs.setdefault(ptr, [st.nbytes(), 0])
+        if entry[1] == 0:
+            self.live += entry[0]
+            self.peak = max(self.peak, self.live)
+        entry[1] += 1
+        weakref.finalize(holder, self._release, ptr)
+        return holder
+
+    def _release(self, ptr: int) -> None:
+        entry = self._refs[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.live -= entry[0]
+            del self._refs[ptr]
+
+    @staticmethod
+    def _unpack(obj):
+        return obj.t if isinstance(obj, _Held) else obj
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+
+
+class _Held:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t):
+        self.t = t
+
+
+# ----------------------------------------------------------------------------------------------
+# Profile -> problem
+# ----------------------------------------------------------------------------------------------
+def _codec_bits(c: dict) -> int:
+    m = c.get("method", "none")
+    return 32 if m in ("none", "topk") else 8 if m == "fp8" else int(c.get("bits", 8))
+
+
+def _problem(
+    spec: TuneSpec, world: int, layers: list[LayerProfile], codecs: list[CodecOption], link, opt_s
+) -> PlanningProblem:
+    by_label = {json.dumps(c.as_dict, sort_keys=True): c for c in codecs}
+
+    def pick(cands: list[dict], min_bits: int) -> list[CodecOption]:
+        out = []
+        for c in cands:
+            if c.get("method", "none") != "none" and _codec_bits(c) < min_bits:
+                continue
+            out.append(by_label[json.dumps(c, sort_keys=True)])
+        return out
+
+    return PlanningProblem(
+        layers=layers,
+        world_size=world,
+        global_batch=spec.global_batch,
+        memory_budget=spec.memory_budget,
+        micro_batch_sizes=list(spec.micro_batch_sizes),
+        pipeline_degrees=spec.pipeline_degrees,
+        activation_codecs=pick(spec.activation_codecs, spec.min_activation_bits),
+        gradient_codecs=pick(spec.gradient_codecs, spec.min_gradient_bits),
+        optimizer_8bit=[False, True] if spec.optimizer_8bit else [False],
+        allow_recompute=spec.allow_recompute,
+        link=link,
+        optimizer_s_per_param=opt_s,
+    )
+
+
+def _optimizer_seconds_per_param(n: int = 1 << 20, reps: int = 5) -> float:
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    opt = torch.optim.Adam([p], lr=1e-3)
+    opt.step()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / n
+
+
+# ----------------------------------------------------------------------------------------------
+# Carrying a plan out on the real engine
+# ----------------------------------------------------------------------------------------------
+def _linear_formats(spec: TuneSpec, plan: Plan, kinds: list[str], layers) -> dict[str, str]:
+    """Linear name (``"3.attn.qkv"``) -> format, from the policy's decisions under each layer's planned format."""
+    from deepspeed_ppq.autotune.profiler import _decisions
+    from deepspeed_ppq.config import WeightsConfig
+
+    wcfg = WeightsConfig.model_validate(spec.weights)
+    out = {}
+    for fmt in {f for f in plan.layer_formats if f != "none"}:
+        dec = _decisions(layers, kinds, wcfg, fmt)
+        for i, f in enumerate(plan.layer_formats):
+            if f == fmt:
+                out.update({n: v for n, v in dec.items() if n.startswith(f"{i}.") and v != "none"})
+    return out
+
+
+def _batches(dataset, b: int, start: int, count: int):
+    out = []
+    n = len(dataset)
+    for k in range(count):
+        idx = [(start + k * b + j) % n for j in range(b)]
+        items = [dataset[i] for i in idx]
+        out.append((torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])))
+    return out
+
+
+def _run_plan(spec: TuneSpec, plan: Plan, train_ds, val_ds) -> dict:
+    """Train ``trial_steps`` steps of ``plan`` on the real engine; measure time, memory and val loss."""
+    import torch.distributed as dist
+
+    import deepspeed_ppq
+    from deepspeed_ppq.integrations.pipe_module import PPQPipelineModule
+    from deepspeed_ppq.models.gpt import GPTConfig, gpt_layers, gpt_loss, layer_kinds
+    from deepspeed_ppq.quant import QuantLinear, build_optimizer, measure_storage, requantize_after_step
+
+    cfg = GPTConfig(**spec.model)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stage = rank // plan.data_parallel
+    layers = gpt_layers(cfg, seed=spec.seed)
+    lin_fmt = _linear_formats(spec, plan, layer_kinds(cfg), layers)
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    topo = PipeDataParallelTopology(num_pp=plan.pipeline_degree, num_dp=plan.data_parallel)
+    module = PPQPipelineModule(
+        layers,
+        topology=topo,
+        boundaries=plan.boundaries,
+        loss_fn=gpt_loss,
+        activation_checkpoint_interval=1 if plan.stages[stage].recompute else 0,
+    )
+    wcfg = deepspeed_ppq.config.WeightsConfig.model_validate(spec.weights)
+    for name, fmt in lin_fmt.items():
+        with contextlib.suppress(AttributeError):
+            mod = module.get_submodule(name)
+            if not isinstance(mod, QuantLinear):
+                parent, _, child = name.rpartition(".")
+                setattr(module.get_submodule(parent), child, QuantLinear.from_linear(mod, fmt, wcfg))
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = build_optimizer(params, "adam8bit" if plan.optimizer_8bit else "adam", lr=spec.lr)
+    ds_cfg = {
+        "train_batch_size": plan.global_batch,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.num_microbatches,
+        "steps_per_print": 10**9,
+        "ppq": {k: v for k, v in plan.ppq_section().items() if k != "weights"},
+    }
+    engine, _, _, _ = deepspeed_ppq.initialize(model=module, optimizer=opt, config=ds_cfg)
+    requantize_after_step(opt, module)
+    static = {}
+
+    def measure_static(_opt, _a, _k):
+        static.update(measure_storage(module, opt).groups())
+
+    handle = opt.register_step_pre_hook(measure_static)
+    b, m = plan.micro_batch_size, plan.num_microbatches
+    replica = rank % plan.data_parallel
+    times = []
+    with SavedTensorLedger(exclude=list(module.parameters())) as saved:
+        for step in range(spec.trial_steps):
+            data = _batches(train_ds, b, (step * plan.data_parallel + replica) * b * m, m)
+            dist.barrier()
+            t0 = time.perf_counter()
+            engine.train_batch(iter(data))
+            times.append(time.perf_counter() - t0)
+    handle.remove()
+    buf_bytes, seen = 0, set()
+    for key in ("inputs", "outputs"):
+        for t in engine.pipe_buffers.get(key, []):
+            for x in t if isinstance(t, tuple) else (t,):
+                if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in seen:
+                    seen.add(x.untyped_storage().data_ptr())
+                    buf_bytes += x.untyped_storage().nbytes()
+    val = _batches(val_ds, b, 0, m * spec.val_batches)
+    losses = []
+    for k in range(spec.val_batches):
+        loss = engine.eval_batch(iter(val[k * m : (k + 1) * m]))
+        losses.append(float(loss) if loss is not None else 0.0)
+    val_loss = torch.tensor(statistics.mean(losses))
+    dist.all_reduce(val_loss, op=dist.ReduceOp.MAX)  # only the last stage holds a loss; others hold 0
+    measured = {
+        "weights": static.get("weights", 0) + static.get("buffers", 0),
+        "master": static.get("master_weights", 0),
+        "gradients": static.get("gradients", 0),
+        "optimizer": static.get("optimizer", 0),
+        "activations": saved.peak,
+        "buffers": buf_bytes,
+    }
+    if torch.cuda.is_available():
+        measured["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
+    mine = {
+        "rank": rank,
+        "stage": stage,
+        "step_times": times,
+        "step_time": statistics.median(times[spec.warmup_steps :] or times),
+        "memory": measured,
+        "val_loss": float(val_loss),
+        "wire": {f"{k[0]}.{k[1]}": v for k, v in engine.ppq_stats().items()}
+        if hasattr(engine, "ppq_stats")
+        else {},
+    }
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    del engine, module, opt
+    return {"ranks": gathered}
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------
+def _bcast(obj, src: int = 0):
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _summary(plan: Plan, run: dict) -> dict:
+    ranks = run["ranks"]
+    step = max(r["step_time"] for r in ranks)
+    stages = []
+    for s, sp in enumerate(plan.stages):
+        rs = [r for r in ranks if r["stage"] == s]
+        mem = {k: max(r["memory"].get(k, 0) for r in rs) for k in rs[0]["memory"]}
+        stages.append(
+            {
+                "stage": s,
+                "layers": list(sp.layers),
+                "formats": sp.formats,
+                "recompute": sp.recompute,
+                "predicted_memory": sp.memory,
+                "measured_memory": mem,
+                "predicted_time_per_microbatch": sp.time_per_microbatch,
+            }
+        )
+    return {
+        "predicted_step_time": plan.predicted_step_time,
+        "measured_step_time": step,
+        "samples_per_second": plan.global_batch / step,
+        "predicted_samples_per_second": plan.samples_per_second,
+        "val_loss": ranks[0]["val_loss"],
+        "stages": stages,
+        "wire": [r["wire"] for r in ranks],
+    }
+
+
+def _back_off(layers: list[LayerProfile], plan: Plan, problem: PlanningProblem) -> str | None:
+    """Make the next plan more conservative; returns what was changed, or None if nothing is left."""
+    quantized = [
+        (layers[i].quant_error.get(f, 0.0), i, f) for i, f in enumerate(plan.layer_formats) if f != "none"
+    ]
+    if quantized:
+        err, i, f = max(quantized)
+        layers[i].allowed_formats = [x for x in layers[i].allowed_formats if x != f]
+        return f"layer {i}: {f} removed (weight error {err:.4f}, the largest)"
+    for attr in ("activation_codecs", "gradient_codecs"):
+        cands = getattr(problem, attr)
+        lossy = [c for c in cands if c.as_dict.get("method", "none") != "none"]
+        if lossy:
+            worst = min(lossy, key=lambda c: c.bits)
+            setattr(problem, attr, [c for c in cands if c is not worst])
+            return f"{attr}: {worst.label} removed"
+    return None
+
+
+def run_tuning(spec: TuneSpec) -> dict | None:
+    """Run the loop on this rank (``torch.distributed`` must be initialised on every rank).
+
+    Returns:
+        On rank 0: the result (baseline, iterations, accepted plan); elsewhere None. Rank 0 also
+        writes ``plan.json``, ``report.md`` and ``tune.json`` to ``spec.out_dir``.
+    """
+    import torch.distributed as dist
+
+    from deepspeed_ppq.autotune import profiler
+    from deepspeed_ppq.autotune.report import write_outputs
+    from deepspeed_ppq.data import build_token_datasets
+    from deepspeed_ppq.models.gpt import GPTConfig, gpt_layers, gpt_loss, layer_kinds
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(**spec.model)
+    log = []
+
+    def note(msg: str) -> None:
+        log.append(msg)
+        if rank == 0:
+            print(f"[ppq tune] {msg}", flush=True)
+
+    if rank == 0:  # build the tokenizer cache once, then every rank reads it
+        build_token_datasets(cfg.seq_len, cfg.vocab_size, spec.corpus_bytes)
+    dist.barrier()
+    train_ds, val_ds, _ = build_token_datasets(cfg.seq_len, cfg.vocab_size, spec.corpus_bytes)
+
+    # 1. profile (rank 0; the others wait), cached
+    t0 = time.perf_counter()
+    if rank == 0:
+        layers = gpt_layers(cfg, seed=spec.seed)
+        kinds = layer_kinds(cfg)
+        from deepspeed_ppq.config import WeightsConfig
+
+        wcfg = WeightsConfig.model_validate(spec.weights)
+        key = profiler.profile_key(
+            layers,
+            mbs=spec.micro_batch_sizes,
+            formats=spec.formats,
+            weights=spec.weights,
+            codecs=[spec.activation_codecs, spec.gradient_codecs],
+            reps=spec.profile_reps,
+        )
+        cached = profiler.load_cached(spec.profile_cache, key) if spec.profile_cache else None
+        if cached:
+            lprof, codecs = profiler.layers_from_cache(cached)
+            opt_s = cached["optimizer_s_per_param"]
+            note(f"profile: loaded from {spec.profile_cache}")
+        else:
+            sample = train_ds[0][0]
+
+            def make_batch(b):
+                items = [train_ds[i] for i in range(b)]
+                return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+
+            lprof = profiler.profile_layers(
+                layers,
+                kinds,
+                make_batch,
+                gpt_loss,
+                wcfg,
+                spec.formats,
+                spec.micro_batch_sizes,
+                reps=spec.profile_reps,
+            )
+            shape = (max(spec.micro_batch_sizes), sample.shape[0], cfg.d_model)
+            uniq = {json.dumps(c, sort_keys=True): c for c in spec.activation_codecs + spec.gradient_codecs}
+            codecs = profiler.profile_codecs(list(uniq.values()), shape)
+            opt_s = _optimizer_seconds_per_param()
+            if spec.profile_cache:
+                profiler.save_cache(spec.profile_cache, key, lprof, codecs, {"optimizer_s_per_param": opt_s})
+        payload = ([lp.to_dict() for lp in lprof], [asdict(c) for c in codecs], opt_s)
+    else:
+        payload = None
+    lp_d, codec_d, opt_s = _bcast(payload)
+    lprof = [LayerProfile.from_dict(d) for d in lp_d]
+    codecs = [CodecOption(**{**c, "config": tuple(tuple(x) for x in c["config"])}) for c in codec_d]
+    link = profiler.measure_link()
+    link = _bcast(link)  # rank 0's measurement for everyone
+    note(
+        f"profile: {len(lprof)} layers, link {link.latency_s * 1e6:.0f} us + {link.bandwidth_Bps / 1e9:.2f} GB/s, "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
+
+    problem = _problem(spec, world, lprof, codecs, link, opt_s)
+    degree = max(problem.degrees())
+    base = baseline_plan(problem, "parameters", pipeline_degree=degree) if rank == 0 else None
+    base = _bcast(base)
+    note(
+        f"baseline: boundaries {base.boundaries}, micro-batch {base.micro_batch_size} x {base.num_microbatches}, "
+        f"recompute {[s.recompute for s in base.stages]}, predicted {base.predicted_step_time * 1e3:.1f} ms"
+    )
+    base_run = _summary(base, _run_plan(spec, base, train_ds, val_ds))
+    note(
+        f"baseline: measured {base_run['measured_step_time'] * 1e3:.1f} ms, val loss {base_run['val_loss']:.4f}"
+    )
+
+    iterations, accepted = [], None
+    for it in range(spec.max_iterations):
+        try:
+            plan = plan_pipeline(problem) if rank == 0 else None
+        except InfeasibleBudgetError as e:
+            plan = e
+        plan = _bcast(plan)
+        if isinstance(plan, Exception):
+            raise plan
+        run = _summary(plan, _run_plan(spec, plan, train_ds, val_ds))
+        limit = base_run["val_loss"] * (1 + spec.val_loss_tolerance)
+        ok = run["val_loss"] <= limit
+        rec = {"iteration": it, "plan": plan.to_dict(), "run": run, "accepted": ok}
+        note(
+            f"iteration {it}: boundaries {plan.boundaries}, micro-batch {plan.micro_batch_size} x "
+            f"{plan.num_microbatches}, formats {plan.layer_formats}, 8-bit Adam {plan.optimizer_8bit}, "
+            f"predicted {plan.predicted_step_time * 1e3:.1f} ms, measured {run['measured_step_time'] * 1e3:.1f} ms, "
+            f"val loss {run['val_loss']:.4f} (limit {limit:.4f}) -> {'accepted' if ok else 'rejected'}"
+        )
+        if ok:
+            accepted = (plan, run)
+            iterations.append(rec)
+            break
+        change = _back_off(problem.layers, plan, problem)
+        rec["back_off"] = change
+        iterations.append(rec)
+        if change is None:
+            note("nothing left to back off")
+            break
+        note(f"back off: {change}")
+    result = {
+        "spec": asdict(spec),
+        "world_size": world,
+        "baseline": {"plan": base.to_dict(), "run": base_run},
+        "iterations": iterations,
+        "accepted": accepted is not None,
+        "log": log,
+        "profile": [lp.to_dict() for lp in lprof],
+    }
+    if rank == 0:
+        os.makedirs(spec.out_dir, exist_ok=True)
+        write_outputs(result, base, accepted[0] if accepted else None, Path(spec.out_dir))
+        return result
+    return None
+
+
+def copy_spec(spec: TuneSpec, **changes) -> TuneSpec:
+    return TuneSpec(**{**copy.deepcopy(asdict(spec)), **changes})
