@@ -1,0 +1,100 @@
+"""Opt-in patches that bring deepspeed_ppq into Megatron-LM / megatron-core (tested: megatron-core 0.16.1).
+
+Three pieces, each checking the installed megatron-core version before it installs itself
+(``PPQ_MEGATRON_ALLOW_UNTESTED=1`` to override, see ``_compat``):
+
+- ``args``: the ``--ppq-*`` flags, generated from ``deepspeed_ppq.config.PPQConfig``
+  (``add_ppq_args`` is an ``extra_args_provider``);
+- ``p2p``: compressed activations and gradients between pipeline stages inside megatron-core's own
+  schedules (``PPQP2PCommunicator``);
+- ``layers``: low-bit weights in megatron-core's parallel linear layers, or FP8 primary weights
+  through Transformer Engine.
+
+In a training script::
+
+    from megatron_patches import add_ppq_args, apply
+    pretrain(..., extra_args_provider=add_ppq_args)    # and, once args are parsed:
+    apply(get_args())                                   # before the model is built
+
+Without touching the script: ``python -m megatron_patches.run pretrain_gpt.py <args> --ppq-...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from deepspeed_ppq.config import PPQConfig, load_ppq_config
+
+from ._compat import ALLOW_UNTESTED_ENV, TESTED_MEGATRON_VERSIONS, check_megatron_version
+from .args import add_ppq_args, args_to_ppq_config, check_megatron_compatible, ppq_flags
+
+__all__ = [
+    "add_ppq_args",
+    "args_to_ppq_config",
+    "check_megatron_compatible",
+    "apply",
+    "remove",
+    "TESTED_MEGATRON_VERSIONS",
+    "ALLOW_UNTESTED_ENV",
+    "CONFIG_ENV",
+    "check_megatron_version",
+]
+
+# megatron_patches.run hands the validated section to an ``apply`` inside the script through this.
+CONFIG_ENV = "PPQ_MEGATRON_CONFIG"
+
+
+def _given(args: argparse.Namespace) -> bool:
+    return getattr(args, "ppq_config", None) is not None or any(
+        getattr(args, f.dest, None) is not None for f in ppq_flags())
+
+
+def apply(args: argparse.Namespace | None = None, cfg: PPQConfig | dict | None = None) -> PPQConfig:
+    """Validate the ppq settings against Megatron's arguments and install the patches they need.
+
+    Args:
+        args: Megatron's parsed arguments (with the ``--ppq-*`` flags from ``add_ppq_args``). Also used
+            for the compatibility checks (interleaving, tensor parallel size, transformer impl).
+        cfg: a config to use instead of the flags (a ``PPQConfig``, dict or JSON path).
+
+    Returns:
+        The validated ``PPQConfig`` that was installed.
+
+    Raises:
+        PPQConfigError: invalid settings or settings Megatron cannot carry, naming the flag to change.
+        RuntimeError: an untested megatron-core version.
+    """
+    if cfg is not None:
+        cfg = load_ppq_config(cfg)
+    elif args is not None and _given(args):
+        cfg = args_to_ppq_config(args)
+    elif os.environ.get(CONFIG_ENV):
+        cfg = load_ppq_config(json.loads(os.environ[CONFIG_ENV]))
+    else:
+        cfg = PPQConfig()
+    check_megatron_compatible(cfg, args)
+    check_megatron_version("ppq")
+    if cfg.activations.enabled or cfg.gradients.enabled:
+        from .p2p import install_compressed_p2p
+
+        install_compressed_p2p(cfg)
+    if cfg.weights.format.value != "none" or cfg.weights.rules:
+        impl = getattr(args, "transformer_impl", "local") if args is not None else "local"
+        if impl != "transformer_engine":
+            from .layers import install_lowbit_layers
+
+            install_lowbit_layers(cfg.weights)
+        # With Transformer Engine, FP8 weights are megatron-core's own flags (see run.py / layers.py).
+    return cfg
+
+
+def remove() -> None:
+    """Undo every installed patch."""
+    from .layers import uninstall_lowbit_layers
+    from .p2p import uninstall_compressed_p2p
+
+    uninstall_compressed_p2p()
+    uninstall_lowbit_layers()
+

@@ -167,6 +167,8 @@ def check_megatron_compatible(cfg: PPQConfig, args: argparse.Namespace | None = 
       activations of the same micro-batch in order. The interleaved schedule sends several model
       chunks' traffic through one communicator in an order the communicator cannot see, so with
       interleaving only stateless codecs are allowed.
+    - Low-bit weights: with ``--transformer-impl transformer_engine`` only FP8 (e4m3) primary weights
+      through TE; the ppq formats need the local layer spec and tensor parallel size 1.
     - ``use_ring_exchange_p2p`` bypasses ``_communicate``'s send/recv and is not supported with a codec.
 
     Raises:
@@ -196,5 +198,19 @@ def check_megatron_compatible(cfg: PPQConfig, args: argparse.Namespace | None = 
     if args is not None and getattr(args, "use_ring_exchange_p2p", False) and compressing:
         problems.append("--use-ring-exchange-p2p bypasses the compressed send/recv; drop it to use "
                         "--ppq-activations-method/--ppq-gradients-method")
+    w = cfg.weights
+    if args is not None and (w.format.value != "none" or w.rules):
+        impl = getattr(args, "transformer_impl", "local")
+        tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+        if impl == "transformer_engine":
+            if w.format.value != "fp8_e4m3" or w.rules:
+                problems.append(
+                    f"--ppq-weights-format {w.format.value}"
+                    f"{' with --ppq-weights-rules' if w.rules else ''}: with --transformer-impl "
+                    "transformer_engine only fp8_e4m3 (FP8 primary weights through Transformer Engine, no "
+                    "per-module rules) is possible; add --transformer-impl local for the ppq formats")
+        elif tp != 1:
+            problems.append(f"--ppq-weights-format {w.format.value}: low-bit ppq layers need "
+                            f"--tensor-model-parallel-size 1 (got {tp})")
     if problems:
         raise PPQConfigError("ppq settings that Megatron cannot carry:\n  " + "\n  ".join(problems))
