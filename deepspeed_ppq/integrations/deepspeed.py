@@ -196,6 +196,7 @@ class PPQPipelineEngine(PipelineEngine):
             self._encoders[key] = BoundaryEncoder(
                 self._codec(direction), name=self._name(direction, b, idx),
                 aqsgd=self.ppq.aqsgd if direction == "act" and self._aqsgd else None,
+                direction="activations" if direction == "act" else "gradients",
                 nonfinite="skip")  # flag it in the payload, so the receiver stops (or skips) too
         return self._encoders[key]
 
@@ -207,7 +208,8 @@ class PPQPipelineEngine(PipelineEngine):
             b = self._boundary(direction, sending=False)
             self._decoders[key] = BoundaryDecoder(
                 self._codec(direction), name=self._name(direction, b, idx),
-                aqsgd=self.ppq.aqsgd if direction == "act" and self._aqsgd else None)
+                aqsgd=self.ppq.aqsgd if direction == "act" and self._aqsgd else None,
+                direction="activations" if direction == "act" else "gradients")
         return self._decoders[key]
 
     def _payload_buffer(self, direction: str, idx: int, nbytes: int) -> torch.Tensor:
@@ -217,12 +219,22 @@ class PPQPipelineEngine(PipelineEngine):
             buf = self._payload_bufs[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return buf
 
-    def _compress_now(self, direction: str) -> bool:
-        """Whether ``direction`` is compressed right now (both sides compute the same answer)."""
+    def _codec_mode(self, direction: str) -> dict | None:
+        """How ``direction`` goes over the wire now: ``None`` for DeepSpeed's own (uncompressed) path,
+        else the ``training``/``uncompressed`` arguments of encode/decode. Both sides compute the same
+        answer from the same settings (checked by the handshake) and step counter."""
         cfg = self._codec(direction)
-        if not cfg.enabled or self.global_steps < self.ppq.warmup_steps:
-            return False
-        return True if self.module.training else cfg.eval_compressed
+        if not cfg.enabled:
+            return None
+        if not self.module.training:
+            return {"training": False, "uncompressed": False} if cfg.eval_compressed else None
+        if direction == "act" and self._aqsgd:
+            # AQ-SGD fills its per-sample buffers during warm-up, so warm-up goes through the codec raw.
+            warm = max(self.ppq.warmup_steps, self.ppq.aqsgd.warmup_steps)
+            return {"training": True, "uncompressed": self.global_steps < warm}
+        if self.global_steps < self.ppq.warmup_steps:
+            return None
+        return {"training": True, "uncompressed": False}
 
     # ---------------------------------------------------------------- data path
     def _next_batch(self):
@@ -244,11 +256,12 @@ class PPQPipelineEngine(PipelineEngine):
             self._sample_ids[buffer_id] = self._pending_ids
 
     def _needs_ids(self) -> bool:
-        return self._aqsgd and self.module.training and self._compress_now("act")
+        return self._aqsgd and self.module.training
 
     # ------------------------------------------------------------- activations
     def _exec_send_activations(self, buffer_id):
-        if not self._compress_now("act"):
+        mode = self._codec_mode("act")
+        if mode is None:
             return super()._exec_send_activations(buffer_id)
         outputs = self.pipe_buffers["outputs"][buffer_id]
         if self.dynamic_shape or self.first_output_send:
@@ -270,10 +283,10 @@ class PPQPipelineEngine(PipelineEngine):
                 continue
             enc = self._encoder("act", idx)
             t0 = time.perf_counter()
-            payload = enc.encode(t.detach(), training=self.module.training, sample_ids=ids)
+            payload = enc.encode(t.detach(), sample_ids=ids, **mode).to(self.device)
             stats["encode_s"] += time.perf_counter() - t0
             kept[idx] = enc.last_indices
-            self._check_flag(payload, "act", self.stage_id, idx, sender=True)
+            self._check_flag(enc, "act", self.stage_id, idx, sender=True)
             p2p.send(payload, self.next_stage)
             stats["raw_bytes"] += t.numel() * t.element_size()
             stats["wire_bytes"] += payload.numel()
@@ -281,10 +294,9 @@ class PPQPipelineEngine(PipelineEngine):
             self._raise_if_sender_flagged()
 
     def _exec_recv_activations(self, buffer_id):
-        if not self._compress_now("act"):
+        mode = self._codec_mode("act")
+        if mode is None:
             return super()._exec_recv_activations(buffer_id)
-        from deepspeed_ppq.compress import payload_nbytes
-
         if self.dynamic_shape or self.pipe_recv_buf is None:
             self.pipe_recv_buf = self._recv_tensor_meta(self.prev_stage)
         logical = _as_tuple(self.pipe_recv_buf)
@@ -294,7 +306,6 @@ class PPQPipelineEngine(PipelineEngine):
             ids = torch.empty(self.micro_batch_size, dtype=torch.int64, device=self.device)
             p2p.recv(ids, self.prev_stage)
             self._sample_ids[buffer_id] = ids  # forwarded with this micro-batch's activation
-        cfg = self.ppq.activations
         kept = self._recv_indices.setdefault(buffer_id, {})
         recvd = []
         for idx, buf in enumerate(logical):
@@ -302,16 +313,16 @@ class PPQPipelineEngine(PipelineEngine):
                 p2p.recv(buf, self.prev_stage)
                 recvd.append(buf.clone().detach())
                 continue
-            payload = self._payload_buffer("act", idx, payload_nbytes(cfg, tuple(buf.shape), buf.dtype))
-            p2p.recv(payload, self.prev_stage)
+            shape = tuple(buf.shape)
             dec = self._decoder("act", idx)
+            payload = self._payload_buffer("act", idx, dec.nbytes(shape, buf.dtype, **mode))
+            p2p.recv(payload, self.prev_stage)
             t0 = time.perf_counter()
-            x = dec.decode(payload, tuple(buf.shape), buf.dtype, training=self.module.training,
-                           sample_ids=ids)
+            x = torch.empty(shape, dtype=buf.dtype, device=self.device)
+            dec.decode(payload, shape, buf.dtype, sample_ids=ids, out=x, **mode)
             self._stats[(b, "act")]["decode_s"] += time.perf_counter() - t0
             kept[idx] = _own(dec.last_indices)  # the payload buffer is reused
-            self._check_flag(payload, "act", b, idx, sender=False)
-            x = x.detach()
+            self._check_flag(dec, "act", b, idx, sender=False)
             x.requires_grad = True
             recvd.append(x)
         self.pipe_buffers["inputs"][buffer_id] = recvd[0] if isinstance(self.pipe_recv_buf, torch.Tensor) \
@@ -319,7 +330,8 @@ class PPQPipelineEngine(PipelineEngine):
 
     # --------------------------------------------------------------- gradients
     def _exec_send_grads(self, buffer_id):
-        if not self._compress_now("grad"):
+        mode = self._codec_mode("grad")
+        if mode is None:
             return super()._exec_send_grads(buffer_id)
         inputs = self.pipe_buffers["inputs"][buffer_id]
         b = self.stage_id - 1
@@ -334,9 +346,9 @@ class PPQPipelineEngine(PipelineEngine):
                                    "has no gradient to send back")
             enc = self._encoder("grad", idx)
             t0 = time.perf_counter()
-            payload = enc.encode(t.grad, training=True, indices=kept.get(idx) if reuse else None)
+            payload = enc.encode(t.grad, indices=kept.get(idx) if reuse else None, **mode).to(self.device)
             stats["encode_s"] += time.perf_counter() - t0
-            self._check_flag(payload, "grad", b, idx, sender=True)
+            self._check_flag(enc, "grad", b, idx, sender=True)
             p2p.send(payload, self.prev_stage)
             stats["raw_bytes"] += t.grad.numel() * t.grad.element_size()
             stats["wire_bytes"] += payload.numel()
@@ -346,27 +358,25 @@ class PPQPipelineEngine(PipelineEngine):
         self._sample_ids.pop(buffer_id, None)
 
     def _exec_recv_grads(self, buffer_id):
-        if not self._compress_now("grad"):
+        mode = self._codec_mode("grad")
+        if mode is None:
             return super()._exec_recv_grads(buffer_id)
-        from deepspeed_ppq.compress import payload_nbytes
-
         outputs = self.pipe_buffers["outputs"][buffer_id]
-        cfg = self.ppq.gradients
         reuse = self._reuse_indices()
         kept = self._sent_indices.pop(buffer_id, {})
         grads = []
         for idx, t in enumerate(_as_tuple(outputs)):
             if not t.is_floating_point():
                 continue
-            nbytes = payload_nbytes(cfg, tuple(t.shape), t.dtype, values_only=reuse)
-            payload = self._payload_buffer("grad", idx, nbytes)
-            p2p.recv(payload, self.next_stage)
+            shape = tuple(t.shape)
             dec = self._decoder("grad", idx)
+            payload = self._payload_buffer("grad", idx, dec.nbytes(shape, t.dtype, **mode))
+            p2p.recv(payload, self.next_stage)
             t0 = time.perf_counter()
-            g = dec.decode(payload, tuple(t.shape), t.dtype, training=True,
-                           indices=kept.get(idx) if reuse else None)
+            g = torch.empty(shape, dtype=t.dtype, device=self.device)
+            dec.decode(payload, shape, t.dtype, indices=kept.get(idx) if reuse else None, out=g, **mode)
             self._stats[(self.stage_id, "grad")]["decode_s"] += time.perf_counter() - t0
-            self._check_flag(payload, "grad", self.stage_id, idx, sender=False)
+            self._check_flag(dec, "grad", self.stage_id, idx, sender=False)
             grads.append(g)
         self.grad_layer = grads[0] if isinstance(outputs, torch.Tensor) else grads
 
@@ -375,11 +385,9 @@ class PPQPipelineEngine(PipelineEngine):
         return g.method == "topk" and g.reuse_indices
 
     # -------------------------------------------------------------- non-finite
-    def _check_flag(self, payload: torch.Tensor, direction: str, boundary: int, idx: int,
-                    sender: bool) -> None:
-        from deepspeed_ppq.compress.codecs import payload_status
-
-        if payload_status(payload) == 0:
+    def _check_flag(self, side, direction: str, boundary: int, idx: int, sender: bool) -> None:
+        """``side``: the encoder or decoder that just ran; its ``last_nonfinite`` is the payload's flag."""
+        if not side.last_nonfinite:
             return
         where = f"stage {self.stage_id}, {self._name(direction, boundary, idx)}"
         self._nonfinite_where.append(where)
@@ -467,7 +475,8 @@ def _check_sample_ids(training_data, declared: bool | None) -> None:
         raise PPQConfigError(
             "ppq.aqsgd.enabled=true needs the dataset index of every sample: training_data items must be "
             f"(inputs, labels, sample_id), got {type(item).__name__} of length "
-            f"{len(item) if hasattr(item, '__len__') else '?'} (wrap it: deepspeed_ppq.integrations.WithSampleIds)")
+            f"{len(item) if hasattr(item, '__len__') else '?'} "
+            "(wrap the dataset: deepspeed_ppq.integrations.WithSampleIds)")
     if not declared:
         raise PPQConfigError(
             "ppq.aqsgd.enabled=true needs the dataset index of every sample, and no training_data was given: "

@@ -89,6 +89,7 @@ class Reference:
         from deepspeed_ppq.compress import BoundaryDecoder, BoundaryEncoder
 
         self.ppq, self.cuts = ppq, set(cuts[1:-1])
+        self.enabled = ppq.activations.enabled or ppq.gradients.enabled
         self.model = nn.Sequential(*make_layers(tuple_act))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
         aq = ppq.aqsgd if ppq.aqsgd.enabled else None
@@ -99,8 +100,8 @@ class Reference:
                 self.codecs[(b, idx)] = (
                     BoundaryEncoder(ppq.activations, name=name, aqsgd=aq, nonfinite="skip"),
                     BoundaryDecoder(ppq.activations, name=name, aqsgd=aq),
-                    BoundaryEncoder(ppq.gradients, name=name, nonfinite="skip"),
-                    BoundaryDecoder(ppq.gradients, name=name))
+                    BoundaryEncoder(ppq.gradients, name=name, nonfinite="skip", direction="gradients"),
+                    BoundaryDecoder(ppq.gradients, name=name, direction="gradients"))
 
     def forward(self, x, ids, step: int, training: bool):
         from deepspeed_ppq.compress import compressed_boundary
@@ -109,7 +110,7 @@ class Reference:
         h = x
         for i, layer in enumerate(self.model):
             h = layer(h)
-            if i + 1 in self.cuts and compress and (self.ppq.activations.enabled or self.ppq.gradients.enabled):
+            if i + 1 in self.cuts and compress and self.enabled:
                 hs = (h,) if isinstance(h, torch.Tensor) else h
                 out, fi = [], 0
                 for t in hs:
