@@ -42,7 +42,8 @@ from deepspeed.runtime.pipe.module import PipelineModule
 
 from deepspeed_ppq.config import CodecConfig, PPQConfig, PPQConfigError, load_ppq_config
 
-__all__ = ["initialize", "PPQPipelineEngine", "CodecMismatchError", "NonFiniteStepError", "codec_settings"]
+__all__ = ["initialize", "PPQPipelineEngine", "CodecMismatchError", "NonFiniteStepError", "codec_settings",
+           "check_codecs"]
 
 _DIRECTIONS = ("act", "grad")
 _STAT_FIELDS = ("raw_bytes", "wire_bytes", "side_bytes", "messages", "encode_s", "decode_s")
@@ -107,6 +108,7 @@ class PPQPipelineEngine(PipelineEngine):
         self._aqsgd = self.ppq.aqsgd.enabled
         if self._aqsgd:
             _check_sample_ids(kwargs.get("training_data"), ppq_sample_ids)
+        check_codecs(self.ppq)  # on every rank before any communication: no rank waits on a failed one
         super().__init__(*args, **kwargs)
         self._compressing = self.ppq.activations.enabled or self.ppq.gradients.enabled
         if self._compressing and (self.is_pipe_partitioned or self.has_bool_tensors):
@@ -466,6 +468,26 @@ class PPQPipelineEngine(PipelineEngine):
     }
 
 
+def check_codecs(cfg: PPQConfig) -> None:
+    """Build each direction's encoder and decoder once, so codec settings the codecs reject fail at
+    start-up on every rank instead of at the first send on one.
+
+    Raises:
+        PPQConfigError: naming the direction and the codec's complaint.
+    """
+    from deepspeed_ppq.compress import BoundaryDecoder, BoundaryEncoder
+
+    for field, direction in (("activations", "activations"), ("gradients", "gradients")):
+        codec = getattr(cfg, field)
+        aq = cfg.aqsgd if field == "activations" and cfg.aqsgd.enabled else None
+        try:
+            BoundaryEncoder(codec, name=f"ppq.{field}", aqsgd=aq, direction=direction, nonfinite="skip")
+            BoundaryDecoder(codec, name=f"ppq.{field}", aqsgd=aq, direction=direction)
+        except ValueError as err:
+            settings = codec.model_dump(mode="json")
+            raise PPQConfigError(f"ppq.{field}={settings} is not usable: {err}") from None
+
+
 def _check_sample_ids(training_data, declared: bool | None) -> None:
     """AQ-SGD needs each sample's dataset index on every stage: fail at start-up if none will come."""
     if training_data is not None:
@@ -540,6 +562,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             f"{list(model.parts)}: build it with PPQPipelineModule.from_config(layers, num_stages, config)")
     if ppq.aqsgd.enabled:
         _check_sample_ids(training_data, sample_ids)
+    check_codecs(ppq)
     engine_cls = functools.partial(PPQPipelineEngine, ppq_config=ppq, ppq_sample_ids=sample_ids)
     saved = deepspeed.PipelineEngine
     deepspeed.PipelineEngine = engine_cls  # deepspeed.initialize looks the class up in its module globals
