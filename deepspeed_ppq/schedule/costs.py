@@ -152,8 +152,9 @@ def stage_memory(shape: ModelShape, stages: int, weight_format: str = "none", op
         params = n * shape.layer_params
         emb = v * h if i == 0 else 0
         head = v * h if i == stages - 1 else 0
-        static = {fmt_name: _weight_bytes(params, weight_format, shape),
-                  f"weights:{shape.dtype}": (emb + head) * shape.act_bytes}
+        static = {fmt_name: _weight_bytes(params, weight_format, shape)}
+        hi = f"weights:{shape.dtype}"  # embedding and LM head stay in the training dtype
+        static[hi] = static.get(hi, 0) + (emb + head) * shape.act_bytes
         total_params = params + emb + head
         static["gradients"] = total_params * 4
         if weight_format != "none" or shape.dtype != "fp32":
