@@ -153,6 +153,19 @@ class ParamSpec:
     trainable: bool = True
     mode: str = "train"
 
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "format", WeightFormat(self.format or "none"))
+        except ValueError:
+            allowed = ", ".join(f.value for f in WeightFormat)
+            raise ValueError(
+                f"ledger entry {self.name!r}: format={self.format!r} is not a weight format; "
+                f"allowed: {allowed}"
+            ) from None
+        if self.mode not in ("train", "frozen"):
+            raise ValueError(f"ledger entry {self.name!r}: mode={self.mode!r}; use 'train' or 'frozen'")
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+
 
 def _as_spec(entry) -> ParamSpec:
     if isinstance(entry, ParamSpec):
@@ -161,15 +174,8 @@ def _as_spec(entry) -> ParamSpec:
         raise TypeError(f"ledger entry {entry!r}: expected ParamSpec or (name, shape, format[, dtype])")
     name, shape, *rest = entry
     fmt = rest[0] if rest else WeightFormat.none
-    try:
-        fmt = WeightFormat(fmt if fmt is not None else "none")
-    except ValueError:
-        allowed = ", ".join(f.value for f in WeightFormat)
-        raise ValueError(
-            f"ledger entry {name!r}: format={fmt!r} is not a weight format; allowed: {allowed}"
-        ) from None
     dtype = rest[1] if len(rest) > 1 else torch.float32
-    return ParamSpec(str(name), tuple(int(s) for s in shape), fmt, dtype)
+    return ParamSpec(str(name), tuple(shape), fmt, dtype)
 
 
 def ledger_from_shapes(
