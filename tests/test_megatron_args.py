@@ -1,0 +1,133 @@
+"""The --ppq-* flags, the launcher's preparation of a Megatron command line, and its errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from deepspeed_ppq.config import PPQConfig, PPQConfigError
+from megatron_patches import _compat
+from megatron_patches.args import add_ppq_args, args_to_ppq_config, check_megatron_compatible, ppq_flags
+from megatron_patches.run import _flag_values, prepare
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    return add_ppq_args(argparse.ArgumentParser()).parse_args(argv)
+
+
+def test_every_config_field_has_a_flag():
+    def leaves(model, prefix=()):
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            if isinstance(ann, type) and hasattr(ann, "model_fields"):
+                yield from leaves(ann, (*prefix, name))
+            else:
+                yield (*prefix, name)
+    assert {f.path for f in ppq_flags()} == set(leaves(PPQConfig))
+    assert "--ppq-activations-bits" in {f.option for f in ppq_flags()}
+
+
+def test_flags_round_trip_to_config():
+    args = parse(["--ppq-activations-method", "quant", "--ppq-activations-bits", "4",
+                  "--ppq-weights-format", "int8", "--no-ppq-gradients-reuse-indices",
+                  "--ppq-weights-rules", json.dumps([{"pattern": "*fc2*", "format": "nf4"}]),
+                  "--ppq-partition-method", "explicit", "--ppq-partition-boundaries", "[0, 3, 8]"])
+    cfg = args_to_ppq_config(args)
+    assert cfg.activations.method == "quant" and cfg.activations.bits == 4
+    assert cfg.weights.format.value == "int8" and cfg.weights.rules[0].format.value == "nf4"
+    assert cfg.gradients.reuse_indices is False
+    assert cfg.partition.boundaries == [0, 3, 8]
+    assert args_to_ppq_config(parse([])) == PPQConfig()  # nothing given: the defaults
+
+
+def test_config_file_then_flags_override(tmp_path):
+    path = tmp_path / "ppq.json"
+    path.write_text(json.dumps({"ppq": {"activations": {"method": "fp8"}, "weights": {"format": "nf4"}}}))
+    cfg = args_to_ppq_config(parse(["--ppq-config", str(path), "--ppq-weights-format", "int4"]))
+    assert cfg.activations.method == "fp8" and cfg.weights.format.value == "int4"
+
+
+def test_bad_values_are_parse_errors(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--ppq-activations-bits", "3"])
+    assert "invalid choice: 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(["--ppq-weights-rules", "[not json"])
+    assert "--ppq-weights-rules expects a JSON string" in capsys.readouterr().err
+    with pytest.raises(PPQConfigError, match=r"topk_ratio=1.5 is outside \(0, 1\]"):
+        args_to_ppq_config(parse(["--ppq-activations-topk-ratio", "1.5"]))
+
+
+def test_what_megatron_cannot_carry_is_refused():
+    with pytest.raises(PPQConfigError, match="AQ-SGD needs each sample's dataset index"):
+        check_megatron_compatible(args_to_ppq_config(parse(
+            ["--ppq-activations-method", "quant", "--ppq-aqsgd-enabled"])))
+    interleaved = argparse.Namespace(num_layers_per_virtual_pipeline_stage=2)
+    with pytest.raises(PPQConfigError, match="--ppq-activations-error-feedback ef21: error feedback"):
+        check_megatron_compatible(args_to_ppq_config(parse(
+            ["--ppq-activations-method", "quant", "--ppq-activations-error-feedback", "ef21"])), interleaved)
+    with pytest.raises(PPQConfigError, match="--no-ppq-gradients-reuse-indices"):
+        check_megatron_compatible(args_to_ppq_config(parse(
+            ["--ppq-activations-method", "topk", "--ppq-gradients-method", "topk"])), interleaved)
+    # stateless codecs are fine with interleaving
+    check_megatron_compatible(args_to_ppq_config(parse(["--ppq-activations-method", "quant"])), interleaved)
+    te = argparse.Namespace(transformer_impl="transformer_engine")
+    with pytest.raises(PPQConfigError, match="add --transformer-impl local"):
+        check_megatron_compatible(args_to_ppq_config(parse(["--ppq-weights-format", "int8"])), te)
+    tp2 = argparse.Namespace(transformer_impl="local", tensor_model_parallel_size=2)
+    with pytest.raises(PPQConfigError, match="--tensor-model-parallel-size 1 \\(got 2\\)"):
+        check_megatron_compatible(args_to_ppq_config(parse(["--ppq-weights-format", "int8"])), tp2)
+
+
+def test_untested_megatron_version_fails_loudly(monkeypatch):
+    monkeypatch.delenv(_compat.ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="tested with megatron-core 0.16.1 but megatron-core 0.12.0"):
+        _compat.check_megatron_version("compressed P2P", "0.12.0")
+    monkeypatch.setenv(_compat.ALLOW_UNTESTED_ENV, "1")
+    assert _compat.check_megatron_version("compressed P2P", "0.12.0") == "0.12.0"
+    assert _compat.megatron_version() in _compat.TESTED_MEGATRON_VERSIONS
+
+
+def test_prepare_strips_ppq_flags_and_adds_te_fp8_flags():
+    rest, section = prepare(["--num-layers", "8", "--ppq-weights-format", "fp8_e4m3",
+                             "--ppq-weights-fp8-scale", "tensor", "--ppq-activations-method", "quant"])
+    assert not any(a.startswith("--ppq") for a in rest)
+    flags = _flag_values(rest)
+    assert flags["--num-layers"] == "8" and flags["--fp8-format"] == "e4m3"
+    assert flags["--fp8-recipe"] == "tensorwise" and "--fp8-param-gather" in flags
+    assert flags["--num-layers-at-start-in-bf16"] == "1"
+    assert section["activations"]["method"] == "quant"
+    rest, _ = prepare(["--transformer-impl", "local", "--ppq-weights-format", "int8"])
+    assert "--fp8-format" not in rest
+
+
+def test_prepare_errors():
+    with pytest.raises(PPQConfigError, match="unknown ppq flag"):
+        prepare(["--ppq-activation-method", "quant"])
+    with pytest.raises(PPQConfigError, match="--fp8-format hybrid on the command line conflicts"):
+        prepare(["--fp8-format", "hybrid", "--ppq-weights-format", "fp8_e4m3"])
+
+
+def test_plan_file_becomes_megatron_flags(tmp_path):
+    from deepspeed_ppq.autotune.plan import Plan, StagePlan
+
+    plan = Plan(world_size=2, pipeline_degree=2, micro_batch_size=2, num_microbatches=8, schedule="1f1b",
+                stages=[StagePlan((0, 3), ["none", "none", "int8"]),
+                        StagePlan((3, 6), ["int8", "none", "none"])],
+                layer_names=["embed", "b0", "b1", "b2", "b3", "head"],
+                activation_codec={"method": "quant", "bits": 8})
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    rest, section = prepare(["--transformer-impl", "local", "--ppq-plan-file", str(path)])
+    flags = _flag_values(rest)
+    assert flags["--pipeline-model-parallel-layout"] == "Ett|ttL"
+    assert flags["--pipeline-model-parallel-size"] == "2"
+    assert flags["--micro-batch-size"] == "2" and flags["--global-batch-size"] == "16"
+    rules = {r["pattern"]: r["format"] for r in section["weights"]["rules"]}
+    assert rules == {"*decoder.layers.0.*": "none", "*decoder.layers.1.*": "int8",
+                     "*decoder.layers.2.*": "int8", "*decoder.layers.3.*": "none"}
+    assert section["activations"]["method"] == "quant"
+    with pytest.raises(PPQConfigError, match="--micro-batch-size 4 on the command line conflicts"):
+        prepare(["--transformer-impl", "local", "--micro-batch-size", "4", "--ppq-plan-file", str(path)])
