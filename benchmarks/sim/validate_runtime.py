@@ -153,24 +153,28 @@ def rank_main(cfg: dict, steps: int) -> None:
 
     engine._INSTRUCTION_MAP = {k: timed(v, k.__name__) for k, v in type(engine)._INSTRUCTION_MAP.items()}
     it = batches()
-    step_times = []
+    engine.train_batch(it)  # warm-up: buffers, shape exchange
+    step_times, profiles = [], []
     for i in range(2 * steps):
-        profiling[0] = i % 2 == 1
+        profiling[0] = i % 2 == 0
+        timings.clear()
         dist.barrier()
         t = time.perf_counter()
         engine.train_batch(it)
         dist.barrier()
-        if not profiling[0]:
+        if profiling[0]:
+            med = {k: statistics.median(v) for k, v in timings.items()}
+            profiles.append({
+                "forward": med["ForwardPass"] + med.get("LoadMicroBatch", 0.0),
+                "backward": med["BackwardPass"],
+                "optimizer": sum(med.get(k, 0.0) for k in ("OptimizerStep", "ReduceGrads",
+                                                           "ReduceTiedGrads")),
+            })
+        else:
             step_times.append(time.perf_counter() - t)
-    med = {k: statistics.median(v) for k, v in timings.items()}
-    engine_profile = {
-        "forward": med["ForwardPass"] + med.get("LoadMicroBatch", 0.0),
-        "backward": med["BackwardPass"],
-        "optimizer": sum(med.get(k, 0.0) for k in ("OptimizerStep", "ReduceGrads", "ReduceTiedGrads")),
-    }
     write_result({"rank": rank, "fwd": fwd, "bwd": bwd, "opt": opt_time, "link_rtt": link_rtt,
                   "small_rtt": small_rtt, "step_times": step_times, "boundary_bytes": mbs * h * 4,
-                  "engine_profile": engine_profile, "instruction_medians": med})
+                  "engine_profiles": profiles})
 
 
 def simulate_config(cfg: dict, ranks: list[dict]) -> dict:
@@ -184,15 +188,22 @@ def simulate_config(cfg: dict, ranks: list[dict]) -> dict:
     bw = nbytes / max(per_msg - lat, 1e-9)
     link = LinkModel(latency_s=lat, bandwidth_Bps=bw, overlap=False)
     sched = build_schedule("deepspeed", 2, cfg["m"])
-    engine_costs = [StageCost(r["engine_profile"]["forward"], r["engine_profile"]["backward"],
-                              optimizer=r["engine_profile"]["optimizer"]) for r in ranks]
+    # Pair each measured step with the profile step just before it (same load from other processes).
+    pairs = []
+    for i in range(len(ranks[0]["step_times"])):
+        costs = [StageCost(r["engine_profiles"][i]["forward"], r["engine_profiles"][i]["backward"],
+                           optimizer=r["engine_profiles"][i]["optimizer"]) for r in ranks]
+        sim = simulate(sched, costs, [(nbytes, nbytes)], link)
+        pairs.append((sim.step_time, max(r["step_times"][i] for r in ranks), sim.bubble_fraction, costs))
+    errors = [s / m - 1 for s, m, _, _ in pairs]
+    k = min(range(len(pairs)), key=lambda j: abs(errors[j] - statistics.median(errors)))
+    engine_costs = pairs[k][3]
     layer_costs = [StageCost(sum(r["fwd"]), sum(r["bwd"]), optimizer=r["opt"]) for r in ranks]
-    sim = simulate(sched, engine_costs, [(nbytes, nbytes)], link)
     sim_layers = simulate(sched, layer_costs, [(nbytes, nbytes)], link)
-    per_step = [max(r["step_times"][i] for r in ranks) for i in range(len(ranks[0]["step_times"]))]
-    measured = statistics.median(per_step)
-    return {"config": cfg, "simulated_s": sim.step_time, "measured_s": measured,
-            "error": sim.step_time / measured - 1, "bubble_fraction": sim.bubble_fraction,
+    per_step = [m for _, m, _, _ in pairs]
+    return {"config": cfg, "simulated_s": statistics.median(s for s, _, _, _ in pairs),
+            "measured_s": statistics.median(per_step), "error": statistics.median(errors),
+            "errors_per_pair": errors, "bubble_fraction": statistics.median(b for _, _, b, _ in pairs),
             "simulated_from_isolated_layers_s": sim_layers.step_time,
             "stage_forward_s": [c.forward for c in engine_costs],
             "stage_backward_s": [c.backward_input for c in engine_costs],
@@ -200,7 +211,7 @@ def simulate_config(cfg: dict, ranks: list[dict]) -> dict:
             "isolated_layer_forward_s": [r["fwd"] for r in ranks],
             "isolated_layer_backward_s": [r["bwd"] for r in ranks],
             "link_latency_s": lat, "link_bandwidth_Bps": bw,
-            "measured_step_times_s": per_step}
+            "measured_step_times_s": per_step, "simulated_step_times_s": [s for s, _, _, _ in pairs]}
 
 
 def _machine() -> str:
@@ -247,7 +258,9 @@ def main() -> int:
              f"Command: `{meta['command']}`.", "",
              "Simulated: DeepSpeed's TrainSchedule order, per-stage F/B/optimizer times from profile steps "
              "(engine instructions timed) alternating with the measured steps; blocking links from a "
-             "ping-pong. The last column simulates from per-layer times measured in isolation instead.", "",
+             "ping-pong. Each measured step is compared with the simulation from the profile step just "
+             "before it (the machine is shared, its load changes); error = median of those pairs. The last "
+             "column simulates from per-layer times measured in isolation instead.", "",
              "| config | layers | hidden | mbs | m | simulated ms | measured ms | error | sim bubble "
              "| sim from isolated layers ms |",
              "|---|---|---|---|---|---|---|---|---|---|"]
