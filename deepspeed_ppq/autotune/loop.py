@@ -242,6 +242,8 @@ def _run_plan(spec: TuneSpec, plan: Plan, train_ds, val_ds) -> dict:
         boundaries=plan.boundaries,
         loss_fn=gpt_loss,
         activation_checkpoint_interval=1 if plan.stages[stage].recompute else 0,
+        # the embedding's input is token ids: a reentrant checkpoint around it would cut the graph
+        checkpointable_layers=["BlockPipe", "HeadPipe"],
     )
     wcfg = deepspeed_ppq.config.WeightsConfig.model_validate(spec.weights)
     for name, fmt in lin_fmt.items():
