@@ -131,3 +131,20 @@ def test_plan_file_becomes_megatron_flags(tmp_path):
     assert section["activations"]["method"] == "quant"
     with pytest.raises(PPQConfigError, match="--micro-batch-size 4 on the command line conflicts"):
         prepare(["--transformer-impl", "local", "--micro-batch-size", "4", "--ppq-plan-file", str(path)])
+
+
+def test_configs_megatron_command_lines_are_valid():
+    """configs/megatron/*: the flags of the shipped command line pass the launcher's checks."""
+    import shlex
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "configs" / "megatron"
+    text = (root / "pretrain_gpt_ppq.sh").read_text()
+    block = text[text.index("ARGS=(") + len("ARGS=("):text.index("\n)\n")]
+    argv = shlex.split(block.replace('"$DATA_PATH"', "d").replace('"$VOCAB"', "v").replace('"$MERGES"', "m")
+                       .replace('"$CKPT"', "c"), comments=True)
+    rest, section = prepare(argv)
+    assert not any(a.startswith("--ppq") for a in rest)
+    assert section["weights"]["format"] == "int8" and section["activations"]["error_feedback"] == "ef"
+    sbatch = (root / "pretrain_gpt_ppq.sbatch").read_text()
+    assert "-m megatron_patches.run pretrain_gpt.py" in sbatch and "pretrain_gpt_ppq.sh" in sbatch
