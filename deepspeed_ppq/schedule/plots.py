@@ -44,7 +44,9 @@ def plot_timeline(result: SimResult, path: str | Path, title: str | None = None)
     ax.set_title(title or f"{name}: step {result.step_time * scale:.3g} {unit}, "
                  f"bubble {result.bubble_fraction:.1%}")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
-    labels = ["forward", "backward (input grad)", "weight grad", "activation send", "gradient send"]
+    split = result.schedule is not None and result.schedule.split_backward
+    labels = ["forward", "backward (input grad)" if split else "backward", "weight grad", "activation send",
+              "gradient send"]
     ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=5, fontsize=8,
               frameon=False)
     fig.tight_layout()
