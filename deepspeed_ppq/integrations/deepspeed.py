@@ -515,7 +515,7 @@ def _resolve_ds_config(args, config, config_params) -> dict:
         raise ValueError("DeepSpeed requires a config: pass config=... or args.deepspeed_config")
     if isinstance(config, dict):
         return config
-    from deepspeed.runtime.config import load_ds_config
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
     return load_ds_config(config)
 
