@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_settings_scale_and_bad_input():
     base, big = demo_settings(), demo_settings(scale=4)
-    assert big["train_steps"] == 4 * base["train_steps"] and big["model"]["d_model"] > base["model"]["d_model"]
+    assert big["train_steps"] == 4 * base["train_steps"]
+    assert big["model"]["d_model"] > base["model"]["d_model"]
     with pytest.raises(ValueError, match="scale=0 must be >= 1"):
         demo_settings(scale=0)
     with pytest.raises(SystemExit):
