@@ -90,7 +90,9 @@ def test_sbatch_matches_its_config(path: Path):
     gpus = int(re.search(r"^#SBATCH --gpus-per-node=(\d+)$", text, re.M).group(1))
     config = CONFIGS.parent / _default(text, "CONFIG")
     assert config.exists(), f"{_rel(path)}: default CONFIG {config} is missing"
-    stages = int(re.search(r"--pipeline-stages (\d+)", _default(text, "SCRIPT_ARGS")).group(1))
+    script = CONFIGS.parent / _default(text, "SCRIPT")
+    assert script.exists(), f"{_rel(path)}: default SCRIPT {script} is missing"
+    stages = int(re.search(r"--num-stages (\d+)", _default(text, "SCRIPT_ARGS")).group(1))
     ds = json.loads(config.read_text())
     dp = ds["train_batch_size"] // (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"])
     assert nodes * gpus == stages * dp, (
