@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -195,7 +196,7 @@ def _optimizer_seconds_per_param(n: int = 1 << 20, reps: int = 5) -> float:
 # Carrying a plan out on the real engine
 # ----------------------------------------------------------------------------------------------
 def _linear_formats(spec: TuneSpec, plan: Plan, kinds: list[str], layers) -> dict[str, str]:
-    """Linear name (``"3.attn.qkv"``) -> format, from the policy's decisions under each layer's planned format."""
+    """Linear name (``"3.attn.qkv"``) -> format: the policy's decisions under each layer's planned format."""
     from deepspeed_ppq.autotune.profiler import _decisions
     from deepspeed_ppq.config import WeightsConfig
 
@@ -263,6 +264,20 @@ def _run_plan(spec: TuneSpec, plan: Plan, train_ds, val_ds) -> dict:
     }
     engine, _, _, _ = deepspeed_ppq.initialize(model=module, optimizer=opt, config=ds_cfg)
     requantize_after_step(opt, module)
+    instr_time: dict[str, float] = {}
+
+    def timed(name, fn):
+        def run(self, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *a, **k)
+            finally:
+                instr_time[name] = instr_time.get(name, 0.0) + time.perf_counter() - t0
+
+        return run
+
+    # per-instruction times (DeepSpeed's own wall_clock_breakdown crashes the PipelineEngine in 0.19.8)
+    engine._INSTRUCTION_MAP = {k: timed(k.__name__, v) for k, v in type(engine)._INSTRUCTION_MAP.items()}
     static = {}
 
     def measure_static(_opt, _a, _k):
@@ -276,9 +291,12 @@ def _run_plan(spec: TuneSpec, plan: Plan, train_ds, val_ds) -> dict:
         for step in range(spec.trial_steps):
             data = _batches(train_ds, b, (step * plan.data_parallel + replica) * b * m, m)
             dist.barrier()
+            if step == spec.warmup_steps:
+                instr_time.clear()
             t0 = time.perf_counter()
             engine.train_batch(iter(data))
             times.append(time.perf_counter() - t0)
+    timed_steps = max(1, spec.trial_steps - spec.warmup_steps)
     handle.remove()
     buf_bytes, seen = 0, set()
     for key in ("inputs", "outputs"):
@@ -311,13 +329,13 @@ def _run_plan(spec: TuneSpec, plan: Plan, train_ds, val_ds) -> dict:
         "step_time": statistics.median(times[spec.warmup_steps :] or times),
         "memory": measured,
         "val_loss": float(val_loss),
+        "instructions": {k: v / timed_steps for k, v in instr_time.items()},
         "wire": {f"{k[0]}.{k[1]}": v for k, v in engine.ppq_stats().items()}
         if hasattr(engine, "ppq_stats")
         else {},
     }
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
-    del engine, module, opt
     return {"ranks": gathered}
 
 
@@ -348,6 +366,7 @@ def _summary(plan: Plan, run: dict) -> dict:
                 "predicted_memory": sp.memory,
                 "measured_memory": mem,
                 "predicted_time_per_microbatch": sp.time_per_microbatch,
+                "measured_instructions_per_step": rs[0].get("instructions", {}),
             }
         )
     return {
@@ -358,6 +377,57 @@ def _summary(plan: Plan, run: dict) -> dict:
         "val_loss": ranks[0]["val_loss"],
         "stages": stages,
         "wire": [r["wire"] for r in ranks],
+    }
+
+
+def _calibrate(problem: PlanningProblem, base: Plan, run: dict) -> dict:
+    """Refit the cost model to what the engine measured on the baseline (in place on ``problem``).
+
+    Layer times are scaled by the median over stages of measured / profiled forward+backward time per
+    micro-batch (the isolated profile and the engine see different caches, threads and load); the
+    optimizer cost per parameter is refit from the measured optimizer step; what is left of the
+    measured step time is spread as a fixed overhead per stage and micro-batch slot (``m + p - 1``)."""
+    from deepspeed_ppq.autotune.planner import Knobs, StageChoice, evaluate_stages
+
+    m, b = base.num_microbatches, base.micro_batch_size
+    ratios, opt = [], []
+    for sp, st in zip(base.stages, run["stages"]):
+        ins = st["measured_instructions_per_step"]
+        meas = (ins.get("ForwardPass", 0.0) + ins.get("BackwardPass", 0.0)) / m
+        pred = 0.0
+        for layer in problem.layers[sp.layers[0] : sp.layers[1]]:
+            f, bi, bw = layer.time("none", b)
+            pred += f * (2 if sp.recompute else 1) + bi + bw
+        if meas > 0 and pred > 0:
+            ratios.append(meas / pred)
+        params = sum(layer.params for layer in problem.layers[sp.layers[0] : sp.layers[1]])
+        if ins.get("OptimizerStep"):
+            opt.append(ins["OptimizerStep"] / params)
+    scale = statistics.median(ratios) if ratios else 1.0
+    for layer in problem.layers:
+        layer.times = {f: {mb: [x * scale for x in v] for mb, v in t.items()} for f, t in layer.times.items()}
+    if opt:
+        problem.optimizer_s_per_param = max(opt)
+    problem.microbatch_overhead_s = 0.0
+    from deepspeed_ppq.autotune.costs import NO_CODEC
+
+    k = Knobs(base.pipeline_degree, b, m, base.schedule, NO_CODEC, NO_CODEC, False)
+    stages = [StageChoice(*sp.layers, "none", sp.recompute) for sp in base.stages]
+    measured = run["measured_step_time"]
+    pred = evaluate_stages(problem, k, stages)["step_time"]
+    if pred > measured:  # the isolated link measurement overstates the latency: refit it (linear in it)
+        link = problem.link
+        problem.link = dataclasses.replace(link, latency_s=0.0)
+        pred0 = evaluate_stages(problem, k, stages)["step_time"]
+        lat = link.latency_s * (measured - pred0) / (pred - pred0) if pred > pred0 else 0.0
+        problem.link = dataclasses.replace(link, latency_s=max(0.0, lat))
+        pred = evaluate_stages(problem, k, stages)["step_time"]
+    problem.microbatch_overhead_s = max(0.0, (measured - pred) / (m + base.pipeline_degree - 1))
+    return {
+        "link_latency_s": problem.link.latency_s,
+        "time_scale": scale,
+        "optimizer_s_per_param": problem.optimizer_s_per_param,
+        "microbatch_overhead_s": problem.microbatch_overhead_s,
     }
 
 
@@ -461,7 +531,8 @@ def run_tuning(spec: TuneSpec) -> dict | None:
     link = profiler.measure_link()
     link = _bcast(link)  # rank 0's measurement for everyone
     note(
-        f"profile: {len(lprof)} layers, link {link.latency_s * 1e6:.0f} us + {link.bandwidth_Bps / 1e9:.2f} GB/s, "
+        f"profile: {len(lprof)} layers, link {link.latency_s * 1e6:.0f} us + "
+        f"{link.bandwidth_Bps / 1e9:.2f} GB/s, "
         f"{time.perf_counter() - t0:.1f} s"
     )
 
@@ -470,12 +541,22 @@ def run_tuning(spec: TuneSpec) -> dict | None:
     base = baseline_plan(problem, "parameters", pipeline_degree=degree) if rank == 0 else None
     base = _bcast(base)
     note(
-        f"baseline: boundaries {base.boundaries}, micro-batch {base.micro_batch_size} x {base.num_microbatches}, "
+        f"baseline: boundaries {base.boundaries}, micro-batch {base.micro_batch_size} x "
+        f"{base.num_microbatches}, "
         f"recompute {[s.recompute for s in base.stages]}, predicted {base.predicted_step_time * 1e3:.1f} ms"
     )
     base_run = _summary(base, _run_plan(spec, base, train_ds, val_ds))
     note(
-        f"baseline: measured {base_run['measured_step_time'] * 1e3:.1f} ms, val loss {base_run['val_loss']:.4f}"
+        f"baseline: measured {base_run['measured_step_time'] * 1e3:.1f} ms, "
+        f"val loss {base_run['val_loss']:.4f}"
+    )
+
+    calibration = _calibrate(problem, base, base_run)
+    note(
+        f"calibration from the baseline run: layer times x{calibration['time_scale']:.3f}, "
+        f"engine overhead {calibration['microbatch_overhead_s'] * 1e3:.2f} ms per stage and micro-batch, "
+        f"link latency {calibration['link_latency_s'] * 1e6:.0f} us, "
+        f"optimizer {calibration['optimizer_s_per_param'] * 1e9:.2f} ns/param"
     )
 
     iterations, accepted = [], None
@@ -494,7 +575,8 @@ def run_tuning(spec: TuneSpec) -> dict | None:
         note(
             f"iteration {it}: boundaries {plan.boundaries}, micro-batch {plan.micro_batch_size} x "
             f"{plan.num_microbatches}, formats {plan.layer_formats}, 8-bit Adam {plan.optimizer_8bit}, "
-            f"predicted {plan.predicted_step_time * 1e3:.1f} ms, measured {run['measured_step_time'] * 1e3:.1f} ms, "
+            f"predicted {plan.predicted_step_time * 1e3:.1f} ms, "
+            f"measured {run['measured_step_time'] * 1e3:.1f} ms, "
             f"val loss {run['val_loss']:.4f} (limit {limit:.4f}) -> {'accepted' if ok else 'rejected'}"
         )
         if ok:
@@ -514,6 +596,7 @@ def run_tuning(spec: TuneSpec) -> dict | None:
         "baseline": {"plan": base.to_dict(), "run": base_run},
         "iterations": iterations,
         "accepted": accepted is not None,
+        "calibration": calibration,
         "log": log,
         "profile": [lp.to_dict() for lp in lprof],
     }

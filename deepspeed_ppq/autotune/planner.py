@@ -76,6 +76,8 @@ class PlanningProblem:
         allow_recompute: let the planner checkpoint a stage's activations.
         link: the point-to-point link between stages (also used for the data-parallel all-reduce).
         optimizer_s_per_param: optimizer step seconds per parameter (fp32 Adam).
+        microbatch_overhead_s: fixed engine seconds per stage and micro-batch (instruction dispatch,
+            buffer handling, waiting); ``run_tuning`` calibrates it from the baseline run.
     """
 
     layers: list[LayerProfile]
@@ -91,6 +93,7 @@ class PlanningProblem:
     allow_recompute: bool = True
     link: LinkModel = field(default_factory=LinkModel)
     optimizer_s_per_param: float = 0.0
+    microbatch_overhead_s: float = 0.0
 
     def levels(self) -> list[str]:
         """Precision levels a stage can run at: ``none`` and every format some layer allows."""
@@ -166,7 +169,7 @@ def stage_time(prob: PlanningProblem, k: Knobs, c: StageChoice) -> float:
     for layer in prob.layers[c.first : c.last]:
         f, bi, bw = layer.time(layer.format_for(c.level), k.micro_batch_size)
         t += f * (2 if c.recompute else 1) + bi + bw
-    return t + _boundary_times(prob, k, c.first, c.last)
+    return t + _boundary_times(prob, k, c.first, c.last) + prob.microbatch_overhead_s
 
 
 def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dict[str, int]:
@@ -293,7 +296,7 @@ def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) 
     # boundary costs: the receive side depends on i, the send side on j
     recv_side = np.array([_boundary_times(prob, k, i, L) if i < L else 0.0 for i in range(N)])
     send_side = np.array([_boundary_times(prob, k, 0, j) if j > 0 else 0.0 for j in range(N)])
-    t_opt = np.where(valid, t_compute + (recv_side[ii] + send_side[jj]), _INF)
+    t_opt = np.where(valid, t_compute + (recv_side[ii] + send_side[jj] + prob.microbatch_overhead_s), _INF)
     in_b = np.array([layer.input_bytes for layer in layers] + [0], dtype=float)
     out_b = np.array([0] + [layer.output_bytes for layer in layers], dtype=float)  # out_b[j]: layer j-1
     buf_per = b * (in_b[ii] + out_b[jj])  # one pipe buffer: stage input + stage output

@@ -76,7 +76,7 @@ def _decisions(layers, kinds, weights_cfg, fmt: str) -> dict[str, str]:
 def _convert(
     layer: nn.Module, index: int, decisions: dict[str, str], weights_cfg
 ) -> tuple[nn.Module, int, float]:
-    """A copy of ``layer`` with its Linear layers converted as decided; (copy, quantized params, rel. error)."""
+    """A converted copy of ``layer``: (copy, quantized parameters, relative weight error)."""
     from deepspeed_ppq.quant import QuantLinear
 
     layer = copy.deepcopy(layer)
@@ -282,7 +282,7 @@ def profile_codecs(
 
 
 def measure_link(
-    sizes: Sequence[int] = (4096, 1 << 20, 4 << 20), reps: int = 5, peer: int | None = None, group=None
+    sizes: Sequence[int] = (4096, 1 << 20, 4 << 20), reps: int = 9, peer: int | None = None, group=None
 ) -> LinkModel:
     """Latency and bandwidth between this rank and ``peer`` (ping-pong; both ranks must call it).
 
@@ -313,8 +313,11 @@ def measure_link(
             times.append((time.perf_counter() - t0) / 2)
         points.append((n, statistics.median(times[1:])))
     (n0, t0), (n1, t1) = points[0], points[-1]
-    bw = (n1 - n0) / max(t1 - t0, 1e-9)
-    lat = max(t0 - n0 / bw, 1e-6)
+    if t1 > t0:  # two-point fit of time = latency + bytes / bandwidth
+        bw = (n1 - n0) / (t1 - t0)
+        lat = max(t0 - n0 / bw, 0.0)
+    else:  # noise swamped the size dependence: charge everything to bandwidth at the largest size
+        bw, lat = n1 / t1, 0.0
     return LinkModel(latency_s=lat, bandwidth_Bps=bw)
 
 

@@ -26,14 +26,17 @@ def _plan_section(title: str, plan: Plan, run: dict) -> list[str]:
     lines = [
         f"## {title}",
         "",
-        f"- pipeline degree {plan.pipeline_degree} x data parallel {plan.data_parallel}, schedule {plan.schedule}, "
+        f"- pipeline degree {plan.pipeline_degree} x data parallel {plan.data_parallel}, "
+        f"schedule {plan.schedule}, "
         f"boundaries `{plan.boundaries}`",
-        f"- micro-batch {plan.micro_batch_size} x {plan.num_microbatches} micro-batches (global batch {plan.global_batch})",
+        f"- micro-batch {plan.micro_batch_size} x {plan.num_microbatches} micro-batches "
+        f"(global batch {plan.global_batch})",
         f"- activations codec `{plan.activation_codec}`, gradients codec `{plan.gradient_codec}`, "
         f"8-bit Adam states: {plan.optimizer_8bit}",
         f"- step time: predicted {pred_t * 1e3:.1f} ms, measured {meas_t * 1e3:.1f} ms "
         f"(prediction error {_ratio(pred_t, meas_t)}); {run['samples_per_second']:.2f} samples/s measured",
-        f"- predicted bubble fraction {plan.predicted_bubble_fraction:.3f}; validation loss {run['val_loss']:.4f}",
+        f"- predicted bubble fraction {plan.predicted_bubble_fraction:.3f}; "
+        f"validation loss {run['val_loss']:.4f}",
         "",
         "| stage | layers | precision | recompute | time/µb ms | memory MiB predicted | measured | error |",
         "|---|---|---|---|---|---|---|---|",
@@ -76,7 +79,8 @@ def format_report(result: dict, base: Plan, tuned: Plan | None) -> str:
             "",
             f"- samples/s: {b['samples_per_second']:.2f} -> {t['samples_per_second']:.2f} "
             f"({t['samples_per_second'] / b['samples_per_second']:.2f}x)",
-            f"- predicted bubble fraction: {base.predicted_bubble_fraction:.3f} -> {tuned.predicted_bubble_fraction:.3f}",
+            f"- predicted bubble fraction: {base.predicted_bubble_fraction:.3f} -> "
+            f"{tuned.predicted_bubble_fraction:.3f}",
             f"- validation loss: {b['val_loss']:.4f} -> {t['val_loss']:.4f}",
             "",
             "## DeepSpeed settings",
