@@ -1,0 +1,112 @@
+"""The profiler on a tiny GPT: formats follow the policy, bytes match the ledger, cache keys."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from deepspeed_ppq.autotune.loop import SavedTensorLedger
+from deepspeed_ppq.autotune.planner import PlanningProblem, plan_pipeline
+from deepspeed_ppq.autotune.profiler import (
+    layers_from_cache,
+    load_cached,
+    profile_codecs,
+    profile_key,
+    profile_layers,
+    save_cache,
+)
+from deepspeed_ppq.config import WeightsConfig
+from deepspeed_ppq.models.gpt import GPTConfig, gpt_layers, gpt_loss, layer_kinds
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=3)
+
+
+def _batch(b):
+    g = torch.Generator().manual_seed(b)
+    ids = torch.randint(0, CFG.vocab_size, (b, CFG.seq_len), generator=g)
+    return ids, ids
+
+
+@pytest.fixture(scope="module")
+def profile():
+    torch.manual_seed(0)
+    layers = gpt_layers(CFG)
+    wcfg = WeightsConfig(keep_first_blocks=1, keep_last_blocks=0)
+    prof = profile_layers(
+        layers, layer_kinds(CFG), _batch, gpt_loss, wcfg, ("int8", "nf4"), (1, 2), reps=2, warmup=1
+    )
+    return layers, prof
+
+
+def test_formats_follow_the_policy(profile):
+    layers, prof = profile
+    kinds = [p.kind for p in prof]
+    assert kinds == layer_kinds(CFG)
+    # embedding and head stay dense (sensitive names), block 0 is kept by keep_first_blocks=1
+    assert prof[0].allowed_formats == ["none"] and prof[-1].allowed_formats == ["none"]
+    assert prof[1].allowed_formats == ["none"]
+    assert prof[2].allowed_formats == ["none", "int8", "nf4"]
+    d, ff = CFG.d_model, CFG.d_ff
+    assert prof[2].quantizable_params == 3 * d * d + d * d + 2 * d * ff  # qkv, proj, fc, mlp.proj weights
+    assert 0 < prof[2].quant_error["int8"] < prof[2].quant_error["nf4"] < 0.2
+
+
+def test_bytes_and_times(profile):
+    layers, prof = profile
+    blk = prof[2]
+    dense = sum(p.numel() * 4 for p in layers[2].parameters())
+    assert blk.weight_bytes["none"] == dense
+    assert blk.weight_bytes["int8"] < dense / 2 and blk.weight_bytes["nf4"] < blk.weight_bytes["int8"]
+    assert blk.input_bytes == blk.output_bytes == CFG.seq_len * CFG.d_model * 4
+    assert prof[0].input_bytes == CFG.seq_len * 8  # int64 token ids
+    assert blk.saved_bytes["none"] > blk.input_bytes  # attention and MLP intermediates
+    for p in prof:
+        for fmt in p.allowed_formats:
+            assert set(p.times[fmt]) == {1, 2} and all(t >= 0 for v in p.times[fmt].values() for t in v)
+    assert prof[0].times["none"][1][1] == 0.0  # token ids have no input gradient
+
+
+def test_saved_bytes_ledger_matches_profile(profile):
+    layers, prof = profile
+    x = torch.randn(2, CFG.seq_len, CFG.d_model, requires_grad=True)
+    with SavedTensorLedger(exclude=list(layers[2].parameters())) as led:
+        y = layers[2](x)
+        peak_before_backward = led.live
+    y.sum().backward()
+    assert peak_before_backward == led.peak == pytest.approx(prof[2].saved_bytes["none"] * 2, rel=0.05)
+    del y
+    assert led.live == 0
+
+
+def test_cache_roundtrip_and_mismatch(profile, tmp_path):
+    layers, prof = profile
+    codecs = profile_codecs(
+        [{"method": "none"}, {"method": "quant", "bits": 8}], (2, CFG.seq_len, CFG.d_model)
+    )
+    from deepspeed_ppq.compress import payload_nbytes
+    from deepspeed_ppq.config import CodecConfig
+
+    shape = (2, CFG.seq_len, CFG.d_model)
+    raw = 4 * shape[0] * shape[1] * shape[2]
+    expect = payload_nbytes(CodecConfig(method="quant", bits=8), shape, torch.float32) / raw
+    assert codecs[1].wire_ratio == expect < 0.5 and codecs[1].encode_s_per_byte > 0
+    key = profile_key(layers, mbs=[1, 2])
+    path = tmp_path / "p.json"
+    save_cache(path, key, prof, codecs, {"optimizer_s_per_param": 1e-9})
+    data = load_cached(path, key)
+    back, back_codecs = layers_from_cache(json.loads(json.dumps(data)))
+    assert [b.to_dict() for b in back] == [p.to_dict() for p in prof] and back_codecs == codecs
+    other = profile_key(
+        gpt_layers(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=4)), mbs=[1, 2]
+    )
+    assert other != key and profile_key(layers, mbs=[1, 4]) != key
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert load_cached(path, other) is None
+    assert any("measured for another model" in str(x.message) for x in w)
+    # a measured profile plans
+    plan = plan_pipeline(PlanningProblem(layers=back, world_size=2, global_batch=4, micro_batch_sizes=[1, 2]))
+    assert plan.boundaries[0] == 0 and plan.boundaries[-1] == len(back)
