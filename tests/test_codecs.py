@@ -18,8 +18,12 @@ native = pytest.mark.skipif(not has_kernel("quant_encode"), reason="C++ extensio
 
 def _quant_bufs(R, d, group, bits):
     G = R * math.ceil(d / group)
-    return (torch.empty(G), torch.empty(G), torch.empty(ops.packed_nbytes(R * d, bits), dtype=torch.uint8),
-            torch.empty(1, dtype=torch.uint8))
+    return (
+        torch.empty(G),
+        torch.empty(G),
+        torch.empty(ops.packed_nbytes(R * d, bits), dtype=torch.uint8),
+        torch.empty(1, dtype=torch.uint8),
+    )
 
 
 def _quant(fn, x, group, bits):
@@ -102,6 +106,7 @@ def test_fp8_cpp_equals_reference(fmt, dtype, shape, group):
 def test_topk_cpp_equals_reference(dtype, B, L, k):
     x = torch.randn(B, L).to(dtype)
     x[:, ::7] = 0.5  # ties
+
     def run(fn):
         v, i = torch.empty(B, k, dtype=dtype), torch.empty(B, k, dtype=torch.int64)
         s = torch.empty(1, dtype=torch.uint8)
@@ -176,8 +181,10 @@ def test_opcheck_each_op():
     ops.topk_encode(x, 5, v, i, torch.empty(1, dtype=torch.uint8))
     torch.library.opcheck(ops.topk_decode, (v, i, torch.empty(3, 20)))
     torch.library.opcheck(ops.pack_bits, (i.reshape(-1), 5, torch.empty(10, dtype=torch.uint8)))
-    torch.library.opcheck(ops.unpack_bits, (torch.randint(0, 255, (10,), dtype=torch.uint8), 5,
-                                            torch.empty(15, dtype=torch.int64)))
+    torch.library.opcheck(
+        ops.unpack_bits,
+        (torch.randint(0, 255, (10,), dtype=torch.uint8), 5, torch.empty(15, dtype=torch.int64)),
+    )
 
 
 @settings(max_examples=25, deadline=None)

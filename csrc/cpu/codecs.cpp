@@ -22,6 +22,7 @@
 #include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -128,7 +129,7 @@ void unpack(const uint8_t* src, int64_t n, int64_t bits, uint8_t* c) {
 }
 
 struct GroupStats {
-  float mn, scale, inv;
+  float mn, scale, inv, p, mnp;  // p: prescale (0.5 when the range overflows a float), mnp = mn * p
   bool bad;
 };
 
@@ -148,7 +149,9 @@ GroupStats minmax_stats(const T* x, int64_t n, int64_t levels) {
   double rng = double(mx) - double(mn);
   s.mn = mn;
   s.scale = float(rng / double(levels));
-  s.inv = rng > 0 ? float(double(levels) / rng) : 0.0f;
+  s.p = rng > double(FLT_MAX) ? 0.5f : 1.0f;
+  s.mnp = mn * s.p;
+  s.inv = rng > 0 ? float(double(levels) / (rng * double(s.p))) : 0.0f;
   return s;
 }
 
@@ -165,11 +168,11 @@ void encode_span(const T* x, int64_t i0, int64_t i1, int64_t d, int64_t group, i
       int64_t r = i / d, c = i % d;
       int64_t g = r * ng + c / group;
       int64_t end = std::min(s1, r * d + std::min(d, (c / group + 1) * group));
-      const float mn = stats[g].mn, inv = stats[g].inv;
+      const float mnp = stats[g].mnp, inv = stats[g].inv, p = stats[g].p;
       uint8_t* b = buf + (i - s0);
       const T* xp = x + i;
       for (int64_t j = 0; j < end - i; ++j) {
-        float t = (float(xp[j]) - mn) * inv;
+        float t = (float(xp[j]) * p - mnp) * inv;
         t = t > 0.0f ? t : 0.0f;  // NaN -> 0
         t = t < lv ? t : lv;
         b[j] = uint8_t(int32_t(round_nonneg(t)));

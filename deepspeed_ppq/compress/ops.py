@@ -10,10 +10,12 @@ Definitions every implementation follows bit for bit (the tests hold the C++ ker
   consecutive values (the last one may be shorter). Per-sample, per-token and per-channel-group
   granularity are all this one shape (see ``codecs.py``).
 * k-bit min-max (``quant_encode``), per group, in fp32:
-  ``range = double(max) - double(min)``; ``scale = float(range / L)``; ``inv = float(L / range)`` (0 when
-  range is 0), ``L = 2**bits - 1``; ``code = clamp(nearbyint((x - min) * inv), 0, L)`` (round half to
-  even). Decode: ``x = fma(code, scale, min)`` (the reference computes it in float64, which equals the
-  fused fp32 result up to one rounding).
+  ``range = double(max) - double(min)``; ``scale = float(range / L)``, ``L = 2**bits - 1``; a prescale
+  ``p = 0.5`` when range exceeds the largest float (huge values: ``x - min`` would overflow), else 1;
+  ``inv = float(L / (range * p))`` (0 when range is 0);
+  ``code = clamp(nearbyint((x * p - min * p) * inv), 0, L)`` (round half to even).
+  Decode: ``x = fma(code, scale, min)`` (the reference computes it in float64: the fused fp32 result up
+  to one rounding).
 * Packing of the code stream, in element order (little-endian bit order):
   8 bits: one byte per value; 4 bits: value ``2i`` in the low nibble; 2 bits: value ``4i + j`` at bits
   ``2j``; 6 bits: four values ``v0..v3`` as the 24-bit little-endian word
@@ -133,14 +135,14 @@ def _quant_encode_ref(x, group, bits, mins, scales, codes, status):
     levels = (1 << bits) - 1
     rng = mx.double() - mn.double()
     scale = (rng / levels).float()
-    inv = torch.where(rng > 0, levels / rng, torch.zeros_like(rng)).float()
-    q = ((xg - mn[:, None]) * inv[:, None]).round().clamp_(0, levels)
+    p = torch.where(rng > torch.finfo(torch.float32).max, 0.5, 1.0).float()
+    inv = torch.where(rng > 0, levels / (rng * p.double()), torch.zeros_like(rng)).float()
+    q = ((xg * p[:, None] - (mn * p)[:, None]) * inv[:, None]).round().clamp_(0, levels)
     q = torch.nan_to_num(q, nan=0.0)
     codes.copy_(pack_codes_reference(_ungrouped(q, R, d).to(torch.int32), bits))
     mins.copy_(mn)
     scales.copy_(scale)
     finite = torch.isfinite(mn).all() & torch.isfinite(mx).all()
-    status.fill_(0)
     status.copy_((~finite).to(torch.uint8).reshape(1))
 
 

@@ -1,0 +1,268 @@
+"""Boundary codecs: payload sizes, EF/EF21/EF-mixed/AQ-SGD state, non-finite policy, compressed_boundary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepspeed_ppq.compress import (
+    BoundaryDecoder,
+    BoundaryEncoder,
+    NonFiniteError,
+    compressed_boundary,
+    payload_nbytes,
+)
+from deepspeed_ppq.config import AQSGDConfig, CodecConfig
+
+CODECS = (
+    [CodecConfig(method="none")]
+    + [
+        CodecConfig(method="quant", bits=b, granularity=g, group_size=8)
+        for b in (2, 4, 6, 8)
+        for g in ("sample", "token", "group")
+    ]
+    + [
+        CodecConfig(method="fp8", fp8_format=f, granularity=g)
+        for f in ("e4m3", "e5m2")
+        for g in ("sample", "token")
+    ]
+    + [CodecConfig(method="topk", topk_ratio=r) for r in (0.1, 0.5, 1.0)]
+)
+
+
+def _pair(cfg, aqsgd=None, direction="activations", nonfinite="error"):
+    return (
+        BoundaryEncoder(
+            cfg, name="s0->1 " + direction, aqsgd=aqsgd, nonfinite=nonfinite, direction=direction
+        ),
+        BoundaryDecoder(cfg, name="s0->1 " + direction, aqsgd=aqsgd, direction=direction),
+    )
+
+
+@pytest.mark.parametrize("cfg", CODECS, ids=lambda c: f"{c.method}-{c.bits}-{c.granularity}-{c.topk_ratio}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_roundtrip_size_and_counters(cfg, dtype):
+    x = torch.randn(3, 5, 33).to(dtype)
+    enc, dec = _pair(cfg)
+    p = enc.encode(x)
+    assert p.dtype == torch.uint8 and p.numel() == payload_nbytes(cfg, x.shape, dtype) == enc.nbytes(
+        x.shape, dtype
+    )
+    y = dec.decode(p, x.shape, dtype)
+    assert y.dtype == dtype and y.shape == x.shape
+    if cfg.method == "none":
+        assert torch.equal(y, x)
+    elif cfg.method == "topk":
+        k = max(1, int(cfg.topk_ratio * 165))
+        assert ((y != 0).view(3, -1).sum(1) <= k).all() and torch.equal(enc.last_indices, dec.last_indices)
+        kept = y.view(3, -1).gather(1, dec.last_indices)
+        assert torch.equal(kept, x.view(3, -1).gather(1, dec.last_indices))
+    else:
+        rng = (x.float().amax() - x.float().amin()).item()
+        bound = rng / (2 ** (cfg.bits if cfg.method == "quant" else 3)) + 0.02
+        assert (y.float() - x.float()).abs().max().item() <= bound
+    assert enc.raw_bytes == x.numel() * x.element_size() and enc.wire_bytes == p.numel()
+    assert dec.messages == 1 and enc.codec_seconds > 0
+
+
+def test_granularity_matters_with_outliers():
+    x = torch.randn(4, 16, 64)
+    x[:, :, 3] *= 100  # one outlier channel, as in a transformer's residual stream
+    err = {}
+    for g in ("sample", "token", "group"):
+        cfg = CodecConfig(method="quant", bits=4, granularity=g, group_size=16)
+        enc, dec = _pair(cfg)
+        y = dec.decode(enc.encode(x), x.shape, x.dtype)
+        err[g] = (y - x)[:, :, 16:].pow(2).mean().item()  # error away from the outlier's group
+    assert err["group"] < err["token"] <= err["sample"] * 1.01
+
+
+def test_ef21_receiver_state_equals_sender():
+    cfg = CodecConfig(method="quant", bits=2, error_feedback="ef21")
+    enc, dec = _pair(cfg)
+    x = torch.randn(2, 8, 16)
+    errs = []
+    for _ in range(6):
+        y = dec.decode(enc.encode(x), x.shape, x.dtype)
+        assert torch.equal(enc.state.buf, dec.state.buf)
+        errs.append((y - x).abs().max().item())
+    assert errs[-1] < errs[0] / 10  # a fixed input is approached geometrically
+
+
+def test_ef_carries_error_into_next_message():
+    cfg = CodecConfig(method="topk", topk_ratio=0.25, error_feedback="ef")
+    enc, dec = _pair(cfg)
+    xs = [torch.randn(2, 32) for _ in range(4)]
+    sent = torch.zeros(2, 32)
+    for x in xs:
+        e_before = enc.state.get(x.shape).clone()
+        y = dec.decode(enc.encode(x), x.shape, x.dtype)
+        assert torch.allclose(enc.state.buf, x + e_before - y)
+        sent += y
+    # what was sent plus what is still owed equals what was given
+    assert torch.allclose(sent + enc.state.buf, sum(xs), atol=1e-5)
+
+
+def test_ef_mixed_takes_half_from_input_half_from_error():
+    cfg = CodecConfig(method="topk", topk_ratio=0.25, error_feedback="ef_mixed")
+    enc, dec = _pair(cfg)
+    x = torch.zeros(1, 16)
+    x[0, :8] = torch.arange(8.0) + 1
+    dec.decode(enc.encode(x), x.shape, x.dtype)  # k=4: the 2 largest |x| (+2 of an all-zero e: lowest free)
+    assert enc.last_indices.tolist() == [[0, 1, 6, 7]]
+    e = enc.state.buf.clone()
+    x2 = torch.zeros(1, 16)
+    x2[0, 10:] = 100.0
+    dec.decode(enc.encode(x2), x2.shape, x2.dtype)
+    s1 = {10, 11}  # 2 of the tied largest |x2|, lowest indices first
+    s2 = set(torch.topk(e[0].abs(), 2).indices.tolist())  # the 2 largest leftovers
+    assert set(enc.last_indices[0].tolist()) == s1 | s2
+
+
+@pytest.mark.parametrize(
+    "cfg", [CodecConfig(method="quant", bits=2), CodecConfig(method="topk", topk_ratio=0.3)]
+)
+def test_aqsgd_memory_and_disk_identical(cfg, tmp_path):
+    base = torch.randn(10, 4, 8)
+    outs = {}
+    for storage in ("memory", "disk"):
+        q = AQSGDConfig(enabled=True, storage=storage, path=str(tmp_path / storage), num_samples=10)
+        enc, dec = _pair(cfg, aqsgd=q)
+        ys = []
+        for epoch in range(3):
+            for ids in ([1, 5, 7], [0, 2, 9]):
+                x = base[ids] + 0.01 * epoch
+                ys.append(dec.decode(enc.encode(x, sample_ids=ids), x.shape, x.dtype, sample_ids=ids))
+                assert torch.equal(enc.buffers.gather(ids, (4, 8)), dec.buffers.gather(ids, (4, 8)))
+        outs[storage] = torch.stack(ys)
+    assert torch.equal(outs["memory"], outs["disk"])
+    # first sight compresses the value itself; later epochs send small changes and converge
+    x_last = torch.cat([base[[1, 5, 7]], base[[0, 2, 9]]]) + 0.02
+    err_first = (outs["memory"][:2].reshape(6, 4, 8) - (x_last - 0.02)).abs().mean()
+    err_last = (outs["memory"][-2:].reshape(6, 4, 8) - x_last).abs().mean()
+    assert err_last < err_first
+
+
+def test_aqsgd_needs_sample_ids_and_warmup_fills_buffers(tmp_path):
+    cfg = CodecConfig(method="quant", bits=2)
+    q = AQSGDConfig(enabled=True)
+    enc, dec = _pair(cfg, aqsgd=q)
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="AQ-SGD needs sample_ids"):
+        enc.encode(x)
+    p = enc.encode(x, sample_ids=[3, 4], uncompressed=True)
+    assert p.numel() == enc.nbytes(x.shape, x.dtype, uncompressed=True) == 8 + x.numel() * 4
+    y = dec.decode(p, x.shape, x.dtype, sample_ids=[3, 4], uncompressed=True)
+    assert torch.equal(y, x)
+    y2 = dec.decode(enc.encode(x, sample_ids=[3, 4]), x.shape, x.dtype, sample_ids=[3, 4])
+    assert torch.equal(y2, x)  # no change since warm-up: the buffers are exact
+
+
+def test_eval_compression_follows_config():
+    x = torch.randn(2, 40)
+    raw = CodecConfig(method="quant", bits=8)  # eval_compressed is False for 8 bits
+    enc, dec = _pair(raw)
+    p = enc.encode(x, training=False)
+    assert p.numel() == payload_nbytes(CodecConfig(), x.shape, x.dtype)
+    assert torch.equal(dec.decode(p, x.shape, x.dtype, training=False), x)
+    tk = CodecConfig(method="topk", topk_ratio=0.1, error_feedback="ef")  # eval_compressed: stateless
+    enc, dec = _pair(tk)
+    p = enc.encode(x, training=False)
+    assert p.numel() == payload_nbytes(tk, x.shape, x.dtype) and enc.state.buf is None
+
+
+@pytest.mark.parametrize("policy", ["error", "skip"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        CodecConfig(method="quant", bits=4),
+        CodecConfig(method="fp8"),
+        CodecConfig(method="topk", error_feedback="ef21"),
+    ],
+)
+def test_nonfinite_policy(policy, cfg):
+    enc, dec = _pair(cfg, nonfinite=policy)
+    x = torch.randn(2, 16)
+    x[1, 3] = float("nan")
+    if policy == "error":
+        with pytest.raises(NonFiniteError, match=r"s0->1 activations: NaN or Inf"):
+            enc.encode(x)
+        return
+    p = enc.encode(x)
+    assert enc.last_nonfinite and p[0] == 1
+    y = dec.decode(p, x.shape, x.dtype)
+    assert dec.last_nonfinite and torch.isnan(y).all()
+    if enc.state.buf is not None:  # state untouched by a flagged message
+        assert not torch.isnan(enc.state.buf).any()
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="ef_mixed' needs method='topk'"):
+        BoundaryEncoder(CodecConfig(method="quant", error_feedback="ef_mixed"), name="b")
+    enc, dec = _pair(CodecConfig(method="quant", bits=4))
+    with pytest.raises(ValueError, match="expected 24 uint8"):
+        dec.decode(torch.zeros(5, dtype=torch.uint8), (1, 16), torch.float32)
+    p = BoundaryEncoder(CodecConfig(method="fp8"), name="b").encode(torch.randn(1, 16))
+    with pytest.raises(ValueError, match="expected"):
+        dec.decode(p, (1, 16), torch.float32)
+    gcfg = CodecConfig(method="topk")
+    genc, _ = _pair(gcfg, direction="gradients")
+    with pytest.raises(ValueError, match="pass indices="):
+        genc.encode(torch.randn(2, 10))
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_compressed_boundary_gradients_match_manual(reuse):
+    a = CodecConfig(method="topk", topk_ratio=0.25)
+    g = CodecConfig(method="topk", topk_ratio=0.25, reuse_indices=reuse)
+    ae, ad = _pair(a)
+    ge, gd = _pair(g, direction="gradients")
+    x = torch.randn(3, 4, 8, requires_grad=True)
+    w = torch.randn(3, 4, 8)
+    y = compressed_boundary(x, ae, ad, ge, gd)
+    (y * w).sum().backward()
+    if reuse:
+        mask = torch.zeros(3, 32, dtype=torch.bool).scatter_(1, ad.last_indices, True).view_as(x)
+        expected = torch.where(mask, w, 0.0)
+        assert ge.wire_bytes == payload_nbytes(g, x.shape, x.dtype, values_only=True)
+    else:
+        k = 8
+        idx = torch.sort(w.view(3, -1).abs(), dim=1, descending=True, stable=True).indices[:, :k]
+        expected = torch.zeros(3, 32).scatter_(1, idx, w.view(3, -1).gather(1, idx)).view_as(x)
+    assert torch.equal(x.grad, expected)
+
+
+def test_compressed_boundary_quant_gradient():
+    a = CodecConfig(method="quant", bits=4)
+    g = CodecConfig(method="quant", bits=8)
+    ae, ad = _pair(a)
+    ge, gd = _pair(g, direction="gradients")
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    w = torch.randn(2, 6, 16)
+    y = compressed_boundary(x, ae, ad, ge, gd)
+    (y * w).sum().backward()
+    ge2, gd2 = _pair(g, direction="gradients")
+    expected = gd2.decode(ge2.encode(w), w.shape, w.dtype)
+    assert torch.equal(x.grad, expected)
+    assert not torch.equal(y, x) and (y - x).abs().max() < 0.5
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+    idx=st.integers(0, len(CODECS) - 1),
+    scale=st.sampled_from([0.0, 1e-20, 1.0, 1e20]),
+    seed=st.integers(0, 1000),
+)
+def test_property_any_shape(shape, idx, scale, seed):
+    cfg = CODECS[idx]
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale
+    enc, dec = _pair(cfg)
+    p = enc.encode(x)
+    assert p.numel() == payload_nbytes(cfg, x.shape, x.dtype) and p[0] == 0
+    y = dec.decode(p, x.shape, x.dtype)
+    assert torch.isfinite(y).all()
+    if cfg.method in ("none", "quant", "fp8"):
+        assert (y - x).abs().max() <= x.abs().max() * 1.0 + 1e-30
