@@ -130,6 +130,19 @@ class CodecConfig(_Model):
             raise ValueError(f"topk_ratio={v} is outside (0, 1]: give the fraction of elements to keep")
         return v
 
+    @model_validator(mode="after")
+    def _feedback_fits_method(self) -> CodecConfig:
+        if self.error_feedback == "ef_mixed" and self.method != "topk":
+            raise ValueError(
+                f"error_feedback='ef_mixed' needs method='topk' (got method={self.method!r}): it splits "
+                f"TopK's K between the input and the error buffer; use 'ef' or 'ef21' with {self.method!r}"
+            )
+        if self.error_feedback != "none" and self.method == "none":
+            raise ValueError(
+                f"error_feedback={self.error_feedback!r} needs a compressing method (got method='none')"
+            )
+        return self
+
     @property
     def enabled(self) -> bool:
         return self.method != "none"
@@ -148,7 +161,11 @@ class AQSGDConfig(_Model):
     storage: Literal["memory", "disk"] = "memory"
     path: str | None = Field(None, description="directory for the memory-mapped buffers (storage=disk)")
     num_samples: int | None = Field(None, ge=1, description="dataset size; needed for storage=disk")
-    warmup_steps: int = Field(0, ge=0, description="uncompressed steps before AQ-SGD starts")
+    warmup_steps: int = Field(
+        0, ge=0,
+        description="steps whose activations go through uncompressed while the per-sample buffers fill "
+        "(activations only: gradients stay compressed; ppq.warmup_steps turns off both)",
+    )
 
 
 class PartitionConfig(_Model):

@@ -35,6 +35,9 @@ def test_whole_deepspeed_config_is_unwrapped(tmp_path):
         ({"partition": {"method": "explicit", "boundaries": [0, 5, 3]}}, r"strictly increasing"),
         ({"partition": {"method": "profile"}}, r"'profile' is not a partition method"),
         ({"nonfinite": "ignore"}, r"ppq\.nonfinite='ignore'"),
+        ({"activations": {"method": "quant", "error_feedback": "ef_mixed"}},
+         r"ef_mixed.*needs method='topk'"),
+        ({"gradients": {"error_feedback": "ef"}}, r"error_feedback='ef' needs a compressing method"),
     ],
 )
 def test_bad_config_names_field_value_and_fix(bad, message):

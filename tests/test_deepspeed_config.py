@@ -43,7 +43,7 @@ def test_boundaries_errors_name_the_field():
 def test_bad_codec_params_fail_before_any_communication():
     with pytest.raises(PPQConfigError, match=r"ppq.activations.topk_ratio=0.0"):
         load_ppq_config({"activations": {"method": "topk", "topk_ratio": 0.0}})
-    with pytest.raises(PPQConfigError, match=r"ppq.gradients=.*ef_mixed.*needs method='topk'"):
+    with pytest.raises(PPQConfigError, match=r"ppq.gradients: .*ef_mixed.*needs method='topk'"):
         check_codecs(load_ppq_config({"gradients": {"method": "quant", "error_feedback": "ef_mixed"}}))
 
 
