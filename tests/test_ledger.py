@@ -14,6 +14,7 @@ from deepspeed_ppq.models.gpt import GPT, GPTConfig, gpt_loss, layer_kinds
 from deepspeed_ppq.quant import (
     ParamSpec,
     build_optimizer,
+    clear_workspace,
     convert_model,
     ledger_from_model,
     ledger_from_shapes,
@@ -75,6 +76,7 @@ def test_ledger_equals_measured_storage(fmt, kind, mode, extra):
         frozen = GPT(CFG).requires_grad_(False)
         predicted = ledger_from_model(frozen, wcfg, optimizer=kind, block_layers=BLOCKS)
     opt = build_optimizer([p for p in model.parameters() if p.requires_grad], kind, lr=1e-3)
+    clear_workspace()  # buffers of other tests' shapes/dtypes must not be counted
     _train(model, opt)
     measured = measure_storage(model, opt)
     assert measured.bytes == predicted.bytes, (
@@ -83,6 +85,8 @@ def test_ledger_equals_measured_storage(fmt, kind, mode, extra):
     # the converted model predicts the same as the plan did
     assert ledger_from_model(model, None, optimizer=kind).bytes == predicted.bytes
     assert measured.total == sum(measured.bytes.values())
+    # one fp32 dequantization buffer per distinct low-bit shape: qkv, attn.proj, mlp.fc, mlp.proj
+    assert measured["workspace"] == 4 * (192 * 64 + 64 * 64 + 256 * 64 + 64 * 256)
     if kind.endswith("8bit"):
         assert measured["optimizer.state_8bit"] > 0 and measured["optimizer.qmap"] == 2048
 

@@ -164,6 +164,8 @@ def test_bad_inputs():
         QuantLinear(4, 4, fmt="none")
     with pytest.raises(ValueError, match="weight has shape"):
         QuantLinear(4, 4, fmt="int8", weight=torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="wrap a lone nn.Linear"):
+        convert_model(nn.Linear(4, 4), "int8")
     with pytest.raises(TypeError, match="input dtype torch.float16 is not supported"):
         _layer("int8")(torch.randn(2, 70, dtype=torch.float16))
 

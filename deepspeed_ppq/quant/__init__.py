@@ -18,7 +18,14 @@ from deepspeed_ppq.quant.ledger import (
     measure_storage,
     weight_storage_bytes,
 )
-from deepspeed_ppq.quant.linear import QuantLinear, convert_model, lora_parameters, requantize_model
+from deepspeed_ppq.quant.linear import (
+    QuantLinear,
+    clear_workspace,
+    convert_model,
+    lora_parameters,
+    requantize_model,
+    workspace_tensors,
+)
 from deepspeed_ppq.quant.optim import OPTIMIZER_KINDS, build_optimizer, requantize_after_step
 from deepspeed_ppq.quant.policy import LayerDecision, PrecisionPolicy, as_policy, block_index, explain, plan
 
@@ -29,6 +36,8 @@ __all__ = [
     "convert_model",
     "requantize_model",
     "lora_parameters",
+    "workspace_tensors",
+    "clear_workspace",
     "PrecisionPolicy",
     "LayerDecision",
     "as_policy",

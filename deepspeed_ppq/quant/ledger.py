@@ -24,6 +24,8 @@ Categories (dotted; ``MemoryLedger.groups()`` sums by the first part):
 ``optimizer.qmap``                 the two shared 8-bit code maps (2 KiB per optimizer)
 ``optimizer.step``                 torch Adam's 0-dim fp32 ``step`` per tensor
 ``buffers``                        module buffers (masks, running stats)
+``workspace``                      the dense dequantization buffers ``QuantLinear`` shares: one per
+                                   distinct low-bit weight shape and compute dtype
 =================================  ============================================================
 
 Accounting of a "train"-mode low-bit layer with fp32 Adam, per weight element: master 4 B +
@@ -186,6 +188,7 @@ def ledger_from_shapes(
     momentum: float = 0.0,
     min_8bit_size: int = 4096,
     buffers_bytes: int = 0,
+    compute_dtype: torch.dtype | None = torch.float32,
 ) -> MemoryLedger:
     """Predict a stage's bytes from parameter shapes alone; nothing is allocated.
 
@@ -198,6 +201,8 @@ def ledger_from_shapes(
         optimizer: one of ``OPTIMIZER_KINDS``, or None for no optimizer states.
         gradients: count a gradient per trainable parameter (as after ``backward``).
         buffers_bytes: bytes of module buffers to include as ``buffers``.
+        compute_dtype: dtype of the activations, hence of the dequantization ``workspace`` (one
+            buffer per distinct low-bit shape); None leaves the workspace out.
 
     Returns:
         The ``MemoryLedger``.
@@ -205,9 +210,12 @@ def ledger_from_shapes(
     cfg = weights_cfg or WeightsConfig()
     led = MemoryLedger()
     trained: list[tuple[int, torch.dtype]] = []
+    low_bit_shapes: set[tuple[int, ...]] = set()
     for e in entries:
         s = _as_spec(e)
         n = math.prod(s.shape)
+        if s.format != WeightFormat.none:
+            low_bit_shapes.add(s.shape)
         if s.format == WeightFormat.none:
             led.add(f"weights.dense.{_dtype_name(s.dtype)}", n * s.dtype.itemsize)
             if s.trainable:
@@ -235,6 +243,8 @@ def ledger_from_shapes(
         for k, b in optimizer_shared_bytes(optimizer, [n for n, _ in trained], min_8bit_size).items():
             led.add(k, b)
     led.add("buffers", buffers_bytes)
+    if compute_dtype is not None:
+        led.add("workspace", sum(math.prod(shape) * compute_dtype.itemsize for shape in low_bit_shapes))
     return led
 
 
@@ -304,6 +314,7 @@ def ledger_from_model(
     gradients: bool = True,
     momentum: float = 0.0,
     min_8bit_size: int = 4096,
+    compute_dtype: torch.dtype | None = torch.float32,
     **policy_kwargs,
 ) -> MemoryLedger:
     """Predict the bytes of ``model`` trained under ``weights_cfg``, without allocating.
@@ -312,7 +323,7 @@ def ledger_from_model(
         model: plain or already converted (``convert_model``); may live on the ``meta`` device.
         weights_cfg: a ``WeightsConfig``/``PrecisionPolicy``/dict applied to its plain ``nn.Linear``
             layers; None counts the model as it is (converted layers with their own config).
-        optimizer, gradients, momentum, min_8bit_size: as in ``ledger_from_shapes``.
+        optimizer, gradients, momentum, min_8bit_size, compute_dtype: as in ``ledger_from_shapes``.
         **policy_kwargs: ``block_layers``/``num_blocks`` for the policy.
 
     Returns:
@@ -320,14 +331,16 @@ def ledger_from_model(
     """
     specs, cfg = _model_specs(model, weights_cfg, **policy_kwargs)
     buf = sum(b.numel() * b.element_size() for b in model.buffers())
-    return ledger_from_shapes(specs, cfg, optimizer, gradients, momentum, min_8bit_size, buf)
+    return ledger_from_shapes(specs, cfg, optimizer, gradients, momentum, min_8bit_size, buf, compute_dtype)
 
 
 def measure_storage(model: nn.Module, optimizer=None) -> MemoryLedger:
     """Add up the storage bytes a live model and optimizer hold, by ledger category.
 
     Every storage is counted once (tied weights, shared code maps), in the first category that
-    reaches it. ``model`` may be a DeepSpeed engine (its ``module`` and ``basic_optimizer`` are used).
+    reaches it. ``workspace`` counts the shared dequantization buffers of this model's low-bit
+    shapes (they exist after the first forward pass). ``model`` may be a DeepSpeed engine (its
+    ``module`` and ``basic_optimizer`` are used).
 
     Args:
         model: the module (or engine).
@@ -367,6 +380,16 @@ def measure_storage(model: nn.Module, optimizer=None) -> MemoryLedger:
             count("buffers", b)
     for p in params:
         count("gradients", p.grad)
+    from deepspeed_ppq.quant.linear import workspace_tensors
+
+    shapes = {
+        (tuple(m.qweight.shape), str(m.qweight.qdata.device))
+        for m in model.modules()
+        if isinstance(m, QuantLinear)
+    }
+    for (shape, _dtype, device), t in workspace_tensors().items():
+        if (shape, device) in shapes:
+            count("workspace", t)
     if optimizer is not None:
         opt = underlying_optimizer(optimizer)
         for state in opt.state.values():

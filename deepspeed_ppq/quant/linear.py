@@ -17,7 +17,9 @@ Two modes (``WeightsConfig.mode``):
 Memory (see ``quant.ledger``): "train" keeps master (4 B/value) + codes + scales + the master's
 gradient and optimizer state; "frozen" keeps codes + scales and the small adapters. The dequantized
 weight lives only for the duration of one matmul, in a buffer shared by all layers of the same shape,
-dtype and device (``_workspace``) -- the forward and backward of different layers never overlap.
+dtype and device (``_workspace``) -- the forward and backward of different layers never overlap. So a
+process keeps one dense buffer per distinct low-bit weight shape and compute dtype (the ledger's
+``workspace`` category; ``clear_workspace()`` frees them).
 
 ``convert_model(model, policy)`` swaps the ``nn.Linear`` layers the precision policy selects.
 """
@@ -33,7 +35,14 @@ from torch import nn
 from deepspeed_ppq.config import WeightFormat, WeightsConfig
 from deepspeed_ppq.quant.formats import QuantizedWeight, quantize_weight
 
-__all__ = ["QuantLinear", "convert_model", "requantize_model", "lora_parameters"]
+__all__ = [
+    "QuantLinear",
+    "convert_model",
+    "requantize_model",
+    "lora_parameters",
+    "workspace_tensors",
+    "clear_workspace",
+]
 
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 _WORKSPACE: dict[tuple, torch.Tensor] = {}
@@ -46,6 +55,16 @@ def _workspace(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> t
     if buf is None:
         buf = _WORKSPACE[key] = torch.empty(shape, dtype=dtype, device=device)
     return buf
+
+
+def workspace_tensors() -> dict[tuple, torch.Tensor]:
+    """The shared dequantization buffers: ``(shape, dtype, device) -> tensor`` (for the ledger)."""
+    return dict(_WORKSPACE)
+
+
+def clear_workspace() -> None:
+    """Free the shared dequantization buffers (they are re-created on the next forward)."""
+    _WORKSPACE.clear()
 
 
 def _dequantized(layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
@@ -251,6 +270,10 @@ def convert_model(model: nn.Module, policy_or_cfg, **policy_kwargs) -> nn.Module
     from deepspeed_ppq.quant.policy import as_policy, plan
 
     pol = as_policy(policy_or_cfg, **policy_kwargs)
+    if isinstance(model, nn.Linear):
+        raise ValueError(
+            "convert_model replaces layers inside a model; wrap a lone nn.Linear in a module first"
+        )
     for d in plan(model, pol):
         mod = model.get_submodule(d.name)
         if not d.quantized or isinstance(mod, QuantLinear):
