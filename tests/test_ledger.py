@@ -20,6 +20,7 @@ from deepspeed_ppq.quant import (
     ledger_from_shapes,
     lora_parameters,
     measure_storage,
+    optimizer_kind,
     quantize_weight,
     weight_storage_bytes,
 )
@@ -158,3 +159,11 @@ def test_bad_inputs():
         "weights.dense.float32": 4,
         "gradients": 4,
     }
+
+
+def test_optimizer_kind_follows_the_config():
+    assert optimizer_kind(WeightsConfig()) == "adamw"
+    assert optimizer_kind(WeightsConfig(optimizer_8bit=True)) == "adamw8bit"
+    assert optimizer_kind(WeightsConfig(optimizer_8bit=True), "adam") == "adam8bit"
+    with pytest.raises(ValueError, match="optimizer_8bit=true needs an Adam-type optimizer"):
+        optimizer_kind(WeightsConfig(optimizer_8bit=True), "sgd")

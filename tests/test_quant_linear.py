@@ -183,8 +183,12 @@ def _deepspeed_rank() -> None:
     kinds = layer_kinds(cfg)
     blocks = [i for i, k in enumerate(kinds) if k == "block"]
     wcfg = WeightsConfig(format="int8", keep_first_blocks=1, keep_last_blocks=1)
-    ds_config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6,
-                 "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}}
+    ds_config = {
+        "train_batch_size": 2,
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 10**6,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+    }
     out = {}
 
     # 1. plain DeepSpeedEngine around the GPT
@@ -210,7 +214,26 @@ def _deepspeed_rank() -> None:
     out["ledger_equal"] = led.bytes == pred.bytes
     out["ledger"] = [led.bytes, pred.bytes]
 
-    # 2. PipelineModule (1 stage): layer-index names "2.attn.qkv"
+    # 2. the same with a bitsandbytes 8-bit Adam handed to DeepSpeed as the client optimizer
+    model8 = convert_model(GPT(cfg), wcfg, block_layers=blocks)
+    opt8 = build_optimizer(model8.parameters(), "adamw8bit", lr=1e-2)
+    cfg8 = {k: v for k, v in ds_config.items() if k != "optimizer"}
+    engine8, *_ = deepspeed.initialize(model=model8, optimizer=opt8, config=cfg8)
+    requantize_after_step(engine8, engine8.module)
+    layer = engine8.module[2].mlp.fc
+    before = layer.dequantized_weight().clone()
+    engine8.backward(gpt_loss(engine8(x), x))
+    engine8.step()
+    exact = quantize_weight(layer.weight.detach(), "int8").dequantize()
+    out["bnb_changed"] = not torch.equal(layer.dequantized_weight(), before)
+    out["bnb_matches_master"] = torch.equal(layer.dequantized_weight(), exact)
+    engine8.backward(gpt_loss(engine8(x), x))
+    out["bnb_ledger"] = [
+        measure_storage(engine8).bytes,
+        ledger_from_model(engine8.module, None, "adamw8bit").bytes,
+    ]
+
+    # 3. PipelineModule (1 stage): layer-index names "2.attn.qkv"
     pipe = PipelineModule(layers=gpt_layers(cfg), num_stages=1, loss_fn=gpt_loss)
     convert_model(pipe, wcfg, block_layers=blocks)
     out["pipe_quantized"] = sorted(n for n, m in pipe.named_modules() if isinstance(m, QuantLinear))
@@ -234,9 +257,13 @@ def test_requantize_hook_with_a_real_deepspeed_engine():
     assert res["engine_optimizer"] in ("Adam", "AdamW")  # torch optimizer inside the engine
     assert res["engine_changed"] and res["engine_matches_master"]
     assert res["ledger_equal"], "\n".join(map(str, res["ledger"]))
+    assert res["bnb_changed"] and res["bnb_matches_master"]
+    measured, predicted = res["bnb_ledger"]
+    assert measured == predicted and measured["optimizer.state_8bit"] > 0
     # blocks are layers 1..4; the first and last stay dense
-    assert res["pipe_quantized"] == [f"{i}.{n}" for i in (2, 3) for n in ("attn.proj", "attn.qkv", "mlp.fc",
-                                                                           "mlp.proj")]
+    assert res["pipe_quantized"] == [
+        f"{i}.{n}" for i in (2, 3) for n in ("attn.proj", "attn.qkv", "mlp.fc", "mlp.proj")
+    ]
     assert res["pipe_changed"] and res["pipe_matches_master"]
 
 

@@ -26,7 +26,7 @@ from deepspeed_ppq.quant.linear import (
     requantize_model,
     workspace_tensors,
 )
-from deepspeed_ppq.quant.optim import OPTIMIZER_KINDS, build_optimizer, requantize_after_step
+from deepspeed_ppq.quant.optim import OPTIMIZER_KINDS, build_optimizer, optimizer_kind, requantize_after_step
 from deepspeed_ppq.quant.policy import LayerDecision, PrecisionPolicy, as_policy, block_index, explain, plan
 
 __all__ = [
@@ -52,5 +52,6 @@ __all__ = [
     "weight_storage_bytes",
     "OPTIMIZER_KINDS",
     "build_optimizer",
+    "optimizer_kind",
     "requantize_after_step",
 ]

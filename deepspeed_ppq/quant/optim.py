@@ -28,6 +28,7 @@ __all__ = [
     "OPTIMIZER_KINDS",
     "BNB_BLOCK_SIZE",
     "build_optimizer",
+    "optimizer_kind",
     "optimizer_state_bytes",
     "optimizer_shared_bytes",
     "underlying_optimizer",
@@ -43,6 +44,17 @@ def _check_kind(kind: str) -> str:
     if kind not in OPTIMIZER_KINDS:
         raise ValueError(f"optimizer={kind!r} is not supported; use one of {', '.join(OPTIMIZER_KINDS)}")
     return kind
+
+
+def optimizer_kind(weights_cfg, base: str = "adamw") -> str:
+    """The optimizer kind a ``WeightsConfig`` asks for: ``base`` with 8-bit states when
+    ``optimizer_8bit`` is set (``adam`` -> ``adam8bit``, ``adamw`` -> ``adamw8bit``)."""
+    _check_kind(base)
+    if not weights_cfg.optimizer_8bit or base.endswith("8bit"):
+        return base
+    if base == "sgd":
+        raise ValueError("weights.optimizer_8bit=true needs an Adam-type optimizer (adam, adamw), got 'sgd'")
+    return base + "8bit"
 
 
 def build_optimizer(
