@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import json
 import os
 import statistics
@@ -55,6 +54,7 @@ class TuneSpec:
             ``min_activation_bits``/``min_gradient_bits`` are dropped.
         weights: the ``WeightsConfig`` fields of the precision policy.
         optimizer_8bit: let the planner choose 8-bit Adam states.
+        extra_baselines: other DeepSpeed partition methods to run and report (e.g. ``["uniform"]``).
     """
 
     model: dict = field(
@@ -83,6 +83,7 @@ class TuneSpec:
     profile_reps: int = 5
     profile_cache: str | None = None
     out_dir: str = "ppq_tune"
+    extra_baselines: list[str] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,6 +328,7 @@ def _run_plan(spec: TuneSpec, plan: Plan, train_ds, val_ds) -> dict:
         "stage": stage,
         "step_times": times,
         "step_time": statistics.median(times[spec.warmup_steps :] or times),
+        "mean_step_time": statistics.mean(times[spec.warmup_steps :] or times),
         "memory": measured,
         "val_loss": float(val_loss),
         "instructions": {k: v / timed_steps for k, v in instr_time.items()},
@@ -353,6 +355,7 @@ def _bcast(obj, src: int = 0):
 def _summary(plan: Plan, run: dict) -> dict:
     ranks = run["ranks"]
     step = max(r["step_time"] for r in ranks)
+    mean_step = max(r["mean_step_time"] for r in ranks)
     stages = []
     for s, sp in enumerate(plan.stages):
         rs = [r for r in ranks if r["stage"] == s]
@@ -372,6 +375,7 @@ def _summary(plan: Plan, run: dict) -> dict:
     return {
         "predicted_step_time": plan.predicted_step_time,
         "measured_step_time": step,
+        "measured_mean_step_time": mean_step,
         "samples_per_second": plan.global_batch / step,
         "predicted_samples_per_second": plan.samples_per_second,
         "val_loss": ranks[0]["val_loss"],
@@ -386,7 +390,9 @@ def _calibrate(problem: PlanningProblem, base: Plan, run: dict) -> dict:
     Layer times are scaled by the median over stages of measured / profiled forward+backward time per
     micro-batch (the isolated profile and the engine see different caches, threads and load); the
     optimizer cost per parameter is refit from the measured optimizer step; what is left of the
-    measured step time is spread as a fixed overhead per stage and micro-batch slot (``m + p - 1``)."""
+    measured step time, if positive, is spread as a fixed overhead per stage and micro-batch slot
+    (``m + p - 1``). The measured link (latency = the peer's wake-up on a busy machine) is kept: one
+    baseline run cannot separate it from the overhead, and it is what makes small micro-batches dear."""
     from deepspeed_ppq.autotune.planner import Knobs, StageChoice, evaluate_stages
 
     m, b = base.num_microbatches, base.micro_batch_size
@@ -415,13 +421,6 @@ def _calibrate(problem: PlanningProblem, base: Plan, run: dict) -> dict:
     stages = [StageChoice(*sp.layers, "none", sp.recompute) for sp in base.stages]
     measured = run["measured_step_time"]
     pred = evaluate_stages(problem, k, stages)["step_time"]
-    if pred > measured:  # the isolated link measurement overstates the latency: refit it (linear in it)
-        link = problem.link
-        problem.link = dataclasses.replace(link, latency_s=0.0)
-        pred0 = evaluate_stages(problem, k, stages)["step_time"]
-        lat = link.latency_s * (measured - pred0) / (pred - pred0) if pred > pred0 else 0.0
-        problem.link = dataclasses.replace(link, latency_s=max(0.0, lat))
-        pred = evaluate_stages(problem, k, stages)["step_time"]
     problem.microbatch_overhead_s = max(0.0, (measured - pred) / (m + base.pipeline_degree - 1))
     return {
         "link_latency_s": problem.link.latency_s,
@@ -551,6 +550,18 @@ def run_tuning(spec: TuneSpec) -> dict | None:
         f"val loss {base_run['val_loss']:.4f}"
     )
 
+    extra = {}
+    for method in spec.extra_baselines:
+        other = baseline_plan(problem, method, pipeline_degree=degree) if rank == 0 else None
+        other = _bcast(other)
+        extra[method] = {
+            "plan": other.to_dict(),
+            "run": _summary(other, _run_plan(spec, other, train_ds, val_ds)),
+        }
+        note(
+            f"baseline {method}: boundaries {other.boundaries}, measured "
+            f"{extra[method]['run']['measured_step_time'] * 1e3:.1f} ms"
+        )
     calibration = _calibrate(problem, base, base_run)
     note(
         f"calibration from the baseline run: layer times x{calibration['time_scale']:.3f}, "
@@ -597,6 +608,7 @@ def run_tuning(spec: TuneSpec) -> dict | None:
         "iterations": iterations,
         "accepted": accepted is not None,
         "calibration": calibration,
+        "extra_baselines": extra,
         "log": log,
         "profile": [lp.to_dict() for lp in lprof],
     }

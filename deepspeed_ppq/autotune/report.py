@@ -68,6 +68,10 @@ def format_report(result: dict, base: Plan, tuned: Plan | None) -> str:
         base,
         result["baseline"]["run"],
     )
+    for method, rec in result.get("extra_baselines", {}).items():
+        lines += _plan_section(
+            f"Also measured: DeepSpeed partition_method={method}", Plan.from_dict(rec["plan"]), rec["run"]
+        )
     for rec in result["iterations"]:
         plan = Plan.from_dict(rec["plan"])
         verdict = "accepted" if rec["accepted"] else f"rejected; back-off: {rec.get('back_off')}"
