@@ -115,7 +115,8 @@ def main() -> None:
         md.append(
             f"| {name} | {rec['boundaries']} | {mb} | {','.join(fm)} | {rec['samples_per_second']:.1f} | "
             f"{rec['speedup']:.2f}x | {rec['bubble_predicted']:.3f} | {rec['bubble_measured']:.3f} | "
-            f"{rec['step_predicted_s'] * 1e3:.1f} | {rec['step_measured_s'] * 1e3:.1f} | {rec['val_loss']:.4f} |"
+            f"{rec['step_predicted_s'] * 1e3:.1f} | {rec['step_measured_s'] * 1e3:.1f} | "
+            f"{rec['val_loss']:.4f} |"
         )
     b, t = out[0], out[-1]
     md += [
@@ -123,7 +124,8 @@ def main() -> None:
         f"- speedup {t['speedup']:.2f}x (target >= 1.5x); measured bubble {b['bubble_measured']:.3f} -> "
         f"{t['bubble_measured']:.3f} (predicted {b['bubble_predicted']:.3f} -> {t['bubble_predicted']:.3f}; "
         "target: halved); validation loss "
-        f"{b['val_loss']:.4f} -> {t['val_loss']:.4f} ({(t['val_loss'] / b['val_loss'] - 1) * 100:+.2f}%, target within 1%)",
+        f"{b['val_loss']:.4f} -> {t['val_loss']:.4f} "
+        f"({(t['val_loss'] / b['val_loss'] - 1) * 100:+.2f}%, target within 1%)",
         f"- the tuned plan's step-time prediction was made before it ran (cost model calibrated on the "
         f"baseline run: {res['calibration']})",
         "- bubble measured = 1 - (ForwardPass + BackwardPass time) / step time on the most idle stage",
