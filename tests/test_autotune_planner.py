@@ -241,3 +241,41 @@ def test_plan_json_round_trip_and_version(tmp_path):
     flags = " ".join(plan.megatron_flags())
     assert "--pipeline-model-parallel-layout E" in flags and flags.count("|") == plan.pipeline_degree - 1
     assert f"--global-batch-size {plan.global_batch}" in flags
+
+
+def test_back_off_removes_most_sensitive_format_then_codecs():
+    from deepspeed_ppq.autotune.loop import _back_off
+
+    q8 = CodecOption.make({"method": "quant", "bits": 8}, wire_ratio=0.26, bits=8)
+    q4 = CodecOption.make({"method": "quant", "bits": 4}, wire_ratio=0.14, bits=4)
+    prob = _problem(4, 6, world_size=2, global_batch=8, pipeline_degrees=[2], activation_codecs=[q4, q8])
+    prob.gradient_codecs = [q8]
+    for i, layer in enumerate(prob.layers):
+        layer.quant_error = {"int8": 0.01 * i, "nf4": 0.1 * i}
+    prob.activation_codecs = [q4, q8]
+    formats = ["none", "int8", "nf4", "nf4", "int8", "none"]
+    plan = plan_pipeline(prob)
+    plan.stages[0].formats = formats[: plan.stages[0].layers[1]]
+    plan.stages[1].formats = formats[plan.stages[0].layers[1] :]
+    assert "layer 3: nf4 removed" in _back_off(prob.layers, plan, prob)
+    assert "nf4" not in prob.layers[3].allowed_formats and "nf4" in prob.layers[2].allowed_formats
+    for s in plan.stages:
+        s.formats = ["none"] * len(s.formats)
+    assert _back_off(prob.layers, plan, prob) == "activation_codecs: quant4 removed"
+    assert _back_off(prob.layers, plan, prob) == "activation_codecs: quant8 removed"
+    assert _back_off(prob.layers, plan, prob) == "gradient_codecs: quant8 removed"
+    assert _back_off(prob.layers, plan, prob) is None
+
+
+def test_plan_rules_from_linear_formats():
+    plan = plan_pipeline(_problem(2, 6, world_size=2, global_batch=4))
+    plan.linear_formats = {"2.attn.qkv": "int8", "3.mlp.fc": "nf4"}
+    rules = plan.ppq_section()["weights"]["rules"]
+    assert rules == [
+        {"pattern": "2.attn.qkv", "format": "int8"},
+        {"pattern": "3.mlp.fc", "format": "nf4"},
+        {"pattern": "*", "format": "none"},
+    ]
+    from deepspeed_ppq.config import load_ppq_config
+
+    load_ppq_config({"ppq": plan.ppq_section()})  # the section validates against the shared config

@@ -235,6 +235,7 @@ def _run_plan(spec: TuneSpec, plan: Plan, train_ds, val_ds) -> dict:
     stage = rank // plan.data_parallel
     layers = gpt_layers(cfg, seed=spec.seed)
     lin_fmt = _linear_formats(spec, plan, layer_kinds(cfg), layers)
+    plan.linear_formats = dict(lin_fmt)
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     topo = PipeDataParallelTopology(num_pp=plan.pipeline_degree, num_dp=plan.data_parallel)

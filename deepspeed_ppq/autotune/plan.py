@@ -68,6 +68,7 @@ class Plan:
     predicted_step_time: float = 0.0
     predicted_bubble_fraction: float = 0.0
     memory_budget: int | None = None
+    linear_formats: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     schema_version: int = PLAN_SCHEMA_VERSION
 
@@ -112,9 +113,14 @@ class Plan:
 
     # ----- rendering -----------------------------------------------------------------------------
     def precision_rules(self) -> list[dict[str, str]]:
-        """Per-layer ``weights.rules`` for the ``"ppq"`` section (DeepSpeed PipelineModule names:
-        ``"<layer index>.*"``); layers in the training dtype get an explicit ``none`` rule so the
-        policy's defaults cannot override the plan."""
+        """``weights.rules`` for the ``"ppq"`` section, in DeepSpeed ``PipelineModule`` names.
+
+        With ``linear_formats`` (filled by the tuning loop from the policy's decisions): one exact
+        rule per low-bit Linear, then ``"*" -> none`` so the policy's defaults cannot add others.
+        Without: one rule per layer (``"<layer index>.*"``)."""
+        if self.linear_formats:
+            rules = [{"pattern": n, "format": f} for n, f in sorted(self.linear_formats.items())]
+            return rules + [{"pattern": "*", "format": "none"}]
         return [{"pattern": f"{i}.*", "format": f} for i, f in enumerate(self.layer_formats)]
 
     def ppq_section(self) -> dict[str, Any]:
