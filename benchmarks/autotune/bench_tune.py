@@ -16,6 +16,7 @@ Run: ``.venv/bin/python benchmarks/autotune/bench_tune.py``  (about 3-6 minutes 
 
 from __future__ import annotations
 
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -65,6 +66,7 @@ def main() -> None:
             "profile_reps": 5,
             "corpus_bytes": 600_000,
             "extra_baselines": ["uniform"],
+            "ab_repeats": 2,
             "out_dir": str(Path(tmp) / "out"),
         }
         res = autotune(spec, nproc=2)
@@ -119,7 +121,17 @@ def main() -> None:
             f"{rec['val_loss']:.4f} |"
         )
     b, t = out[0], out[-1]
+    ab = res["ab_step_times"]
+    gb = spec["global_batch"]
+    ab_speedup = statistics.median(ab["baseline"]) / statistics.median(ab["tuned"]) if ab["tuned"] else 0.0
     md += [
+        "",
+        f"A/B (baseline and tuned run alternately, {len(ab['baseline'])} runs each, median step): baseline "
+        f"{statistics.median(ab['baseline']) * 1e3:.1f} ms "
+        f"({gb / statistics.median(ab['baseline']):.1f} samples/s), "
+        f"tuned {statistics.median(ab['tuned']) * 1e3:.1f} ms -> **{ab_speedup:.2f}x**; all runs (ms): "
+        f"baseline {[round(x * 1e3, 1) for x in ab['baseline']]}, "
+        f"tuned {[round(x * 1e3, 1) for x in ab['tuned']]}",
         "",
         f"- speedup {t['speedup']:.2f}x (target >= 1.5x); measured bubble {b['bubble_measured']:.3f} -> "
         f"{t['bubble_measured']:.3f} (predicted {b['bubble_predicted']:.3f} -> {t['bubble_predicted']:.3f}; "

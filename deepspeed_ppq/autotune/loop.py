@@ -55,6 +55,8 @@ class TuneSpec:
         weights: the ``WeightsConfig`` fields of the precision policy.
         optimizer_8bit: let the planner choose 8-bit Adam states.
         extra_baselines: other DeepSpeed partition methods to run and report (e.g. ``["uniform"]``).
+        ab_repeats: after acceptance, run the baseline and the accepted plan alternately this many
+            more times each (A B A B ...) so that load drifts on a shared machine hit both alike.
     """
 
     model: dict = field(
@@ -84,6 +86,7 @@ class TuneSpec:
     profile_cache: str | None = None
     out_dir: str = "ppq_tune"
     extra_baselines: list[str] = field(default_factory=list)
+    ab_repeats: int = 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -602,7 +605,19 @@ def run_tuning(spec: TuneSpec) -> dict | None:
             note("nothing left to back off")
             break
         note(f"back off: {change}")
+    ab = {"baseline": [base_run["measured_step_time"]], "tuned": []}
+    if accepted is not None:
+        ab["tuned"].append(accepted[1]["measured_step_time"])
+        for r in range(spec.ab_repeats):
+            for name, plan in (("baseline", base), ("tuned", accepted[0])):
+                again = _summary(plan, _run_plan(spec, plan, train_ds, val_ds))
+                ab[name].append(again["measured_step_time"])
+            note(
+                f"A/B repeat {r}: baseline {ab['baseline'][-1] * 1e3:.1f} ms, "
+                f"tuned {ab['tuned'][-1] * 1e3:.1f} ms"
+            )
     result = {
+        "ab_step_times": ab,
         "spec": asdict(spec),
         "world_size": world,
         "baseline": {"plan": base.to_dict(), "run": base_run},
