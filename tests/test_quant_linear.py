@@ -107,7 +107,7 @@ def test_step_hook_requantizes_from_the_master(kind):
 def test_hook_refuses_an_optimizer_that_does_not_own_the_masters():
     layer = _layer("int8")
     other = nn.Linear(3, 3)
-    with pytest.raises(ValueError, match="none of the 1 QuantLinear master weights"):
+    with pytest.raises(ValueError, match="none of the 1 QuantLinear master weights is a parameter of SGD"):
         requantize_after_step(torch.optim.SGD(other.parameters(), lr=0.1), layer)
 
 
@@ -233,7 +233,26 @@ def _deepspeed_rank() -> None:
         ledger_from_model(engine8.module, None, "adamw8bit").bytes,
     ]
 
-    # 3. PipelineModule (1 stage): layer-index names "2.attn.qkv"
+    # 3. bf16 engines: the fp32 masters live in DeepSpeed's wrapper (stage 0) or ZeRO-1 partitions,
+    #    which copy the result into the model's bf16 parameters at the end of their step()
+    for zero in (0, 1):
+        mb = convert_model(GPT(cfg), wcfg, block_layers=blocks)
+        cfg_bf16 = {**ds_config, "bf16": {"enabled": True}, "zero_optimization": {"stage": zero}}
+        eb, *_ = deepspeed.initialize(model=mb, model_parameters=mb.parameters(), config=cfg_bf16)
+        requantize_after_step(eb, eb.module)
+        layer = eb.module[3].mlp.proj
+        before = layer.dequantized_weight().clone()
+        eb.backward(gpt_loss(eb(x), x))
+        eb.step()
+        exact = quantize_weight(layer.weight.detach(), "int8").dequantize(torch.float32)
+        out[f"bf16_zero{zero}"] = [
+            str(layer.weight.dtype),
+            type(eb.optimizer).__name__,
+            not torch.equal(layer.dequantized_weight(), before),
+            torch.equal(layer.dequantized_weight(), exact),
+        ]
+
+    # 4. PipelineModule (1 stage): layer-index names "2.attn.qkv"
     pipe = PipelineModule(layers=gpt_layers(cfg), num_stages=1, loss_fn=gpt_loss)
     convert_model(pipe, wcfg, block_layers=blocks)
     out["pipe_quantized"] = sorted(n for n, m in pipe.named_modules() if isinstance(m, QuantLinear))
@@ -258,6 +277,8 @@ def test_requantize_hook_with_a_real_deepspeed_engine():
     assert res["engine_changed"] and res["engine_matches_master"]
     assert res["ledger_equal"], "\n".join(map(str, res["ledger"]))
     assert res["bnb_changed"] and res["bnb_matches_master"]
+    assert res["bf16_zero0"] == ["torch.bfloat16", "FP16_UnfusedOptimizer", True, True]
+    assert res["bf16_zero1"] == ["torch.bfloat16", "DeepSpeedZeroOptimizer", True, True]
     measured, predicted = res["bnb_ledger"]
     assert measured == predicted and measured["optimizer.state_8bit"] > 0
     # blocks are layers 1..4; the first and last stay dense

@@ -32,6 +32,10 @@ Accounting of a "train"-mode low-bit layer with fp32 Adam, per weight element: m
 gradient 4 B + Adam 8 B + codes (1 B int8, 0.5 B int4) + scales; the dense fp32 layer has 16 B.
 The low-bit compute copy pays off with 8-bit states (-6 B), in "frozen" mode (codes + scales
 only: no master, gradient or state) and for the bytes the forward pass reads.
+
+Scope: the model's parameters are what the optimizer updates (plain torch training, DeepSpeed fp32
+without ZeRO). DeepSpeed's bf16/fp16 and ZeRO wrappers keep extra fp32 flat copies that neither the
+prediction nor ``measure_storage`` sees.
 """
 
 from __future__ import annotations

@@ -11,9 +11,11 @@ Supported kinds (``OPTIMIZER_KINDS``):
   of one optimizer. ``step`` is a Python int (no tensor).
 * ``sgd``: ``torch.optim.SGD``; a ``momentum_buffer`` like the gradient when ``momentum > 0``, else none.
 
-``requantize_after_step(optimizer, model)`` registers a step post-hook on the underlying torch
-optimizer that refreshes every ``QuantLinear`` compute copy from its master weight. DeepSpeed's engine
-calls the same ``step`` (its ``basic_optimizer``), so one hook serves a plain loop and an engine.
+``requantize_after_step(optimizer, model)`` refreshes every ``QuantLinear`` compute copy from its
+master weight after each step: a step post-hook on the torch optimizer when it updates the model's
+parameters (a plain loop; a DeepSpeed fp32 engine calls the same ``basic_optimizer.step``), or a
+wrapped ``step`` on DeepSpeed's bf16/fp16/ZeRO-1/2 optimizer wrapper, which copies its fp32 result
+into the model's parameters at the end of its own ``step``.
 """
 
 from __future__ import annotations
@@ -132,38 +134,71 @@ def underlying_optimizer(opt) -> torch.optim.Optimizer:
     return opt
 
 
+class _StepWrapHandle:
+    """Undoes the ``step`` wrapping of ``requantize_after_step`` on a DeepSpeed optimizer wrapper."""
+
+    def __init__(self, obj, orig):
+        self._obj, self._orig = obj, orig
+
+    def remove(self) -> None:
+        if self._obj is not None:
+            self._obj.step = self._orig
+            self._obj = None
+
+
 def requantize_after_step(optimizer, model: nn.Module):
     """Re-quantize every train-mode ``QuantLinear`` of ``model`` after each ``optimizer.step()``.
 
     Args:
-        optimizer: a torch optimizer, a bitsandbytes optimizer, or a DeepSpeed engine (its
-            ``basic_optimizer`` is hooked; the engine's ``step()`` calls it).
+        optimizer: a torch optimizer, a bitsandbytes optimizer, or a DeepSpeed engine.
         model: the module holding the ``QuantLinear`` layers (``engine.module`` for an engine).
 
+    How: when the torch optimizer updates the layers' own parameters (plain loops; DeepSpeed fp32
+    without ZeRO) a step post-hook is registered on it. When it updates flat fp32 copies instead (a
+    DeepSpeed bf16/fp16 or ZeRO 1/2 wrapper, which copies the result back into the model's
+    parameters at the end of its ``step``), the wrapper's ``step`` is wrapped on the instance, so the
+    re-quantization reads the parameters after that copy. In that case the master the layer keeps is
+    the bf16/fp16 parameter and the fp32 master lives in the wrapper.
+
     Returns:
-        The hook handle (``handle.remove()`` detaches it).
+        A handle; ``handle.remove()`` detaches it.
 
     Raises:
-        ValueError: when none of the layers' master weights is updated by that optimizer (for
-            example a DeepSpeed bf16/ZeRO wrapper that updates flat fp32 copies instead): the compute
-            copies would go stale, so this is refused rather than silently wrong.
+        ValueError: the optimizer updates none of the layers' master weights and is not a wrapper
+            whose ``step`` could be followed.
     """
     from deepspeed_ppq.quant.linear import QuantLinear
 
-    opt = underlying_optimizer(optimizer)
     layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.mode == "train"]
+    opt = underlying_optimizer(optimizer)
     owned = {id(p) for g in opt.param_groups for p in g["params"]}
     hooked = [m for m in layers if id(m.weight) in owned]
-    if layers and not hooked:
-        raise ValueError(
-            f"requantize_after_step: none of the {len(layers)} QuantLinear master weights is a parameter "
-            f"of {type(opt).__name__}; the optimizer must update the model's own fp32 parameters "
-            "(no bf16/fp16 or ZeRO flat-buffer wrapper)"
-        )
 
-    def _hook(_opt, _args, _kwargs):
+    def _requantize(*_args):
         with torch.no_grad():
-            for m in hooked:
+            for m in targets:
                 m.requantize_()
 
-    return opt.register_step_post_hook(_hook)
+    if hooked or not layers:
+        targets = hooked
+        return opt.register_step_post_hook(_requantize)
+    wrapper = getattr(optimizer, "optimizer", None) if hasattr(optimizer, "basic_optimizer") else optimizer
+    if (
+        wrapper is None
+        or isinstance(wrapper, torch.optim.Optimizer)
+        or not callable(getattr(wrapper, "step", None))
+    ):
+        raise ValueError(
+            f"requantize_after_step: none of the {len(layers)} QuantLinear master weights is a parameter "
+            f"of {type(opt).__name__}; pass the optimizer (or DeepSpeed engine) that trains this model"
+        )
+    targets = layers
+    orig = wrapper.step
+
+    def step(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        _requantize()
+        return out
+
+    wrapper.step = step
+    return _StepWrapHandle(wrapper, orig)
