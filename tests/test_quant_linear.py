@@ -14,6 +14,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from deepspeed_ppq.config import WeightsConfig
@@ -61,6 +63,27 @@ def test_gradients_match_dense_linear_on_dequantized_weight(fmt, dtype):
     assert layer.weight.grad.dtype == torch.float32  # the master's gradient
     torch.testing.assert_close(layer.weight.grad, w.grad.float(), **tol)
     torch.testing.assert_close(layer.bias.grad, b.grad.float(), **tol)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    fmt=st.sampled_from(FORMATS),
+    in_f=st.integers(1, 80),
+    out_f=st.integers(1, 40),
+    lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+    bias=st.booleans(),
+    block=st.sampled_from([16, 64, 256]),
+)
+def test_gradients_match_for_odd_shapes(fmt, in_f, out_f, lead, bias, block):
+    layer = _layer(fmt, in_f=in_f, out_f=out_f, bias=bias, block_size=block)
+    x = torch.randn(*lead, in_f, requires_grad=True)
+    gy = torch.randn(*lead, out_f)
+    layer(x).backward(gy)
+    w = layer.dequantized_weight().requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    F.linear(xr, w, layer.bias).backward(gy)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.weight.grad, w.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_backward_saves_only_the_input_not_a_dense_weight():

@@ -7,6 +7,18 @@ the memory ledger and optimizers with 8-bit states.
 * ``policy``: ``PrecisionPolicy``, ``plan``, ``explain`` (which layer gets which format).
 * ``ledger``: ``MemoryLedger``, ``ledger_from_model``, ``ledger_from_shapes``, ``measure_storage``.
 * ``optim``: ``build_optimizer`` (adam, adamw, adam8bit, adamw8bit, sgd), ``requantize_after_step``.
+
+Typical use (a DeepSpeed ``PipelineModule`` whose layers 1..n are transformer blocks)::
+
+    cfg = WeightsConfig(format="nf4", keep_first_blocks=1, keep_last_blocks=1, optimizer_8bit=True)
+    print(explain(model, cfg, block_layers=blocks))          # what will be low-bit, bytes saved
+    print(ledger_from_model(model, cfg, optimizer="adamw8bit", block_layers=blocks).table())
+    convert_model(model, cfg, block_layers=blocks)
+    opt = build_optimizer(model.parameters(), optimizer_kind(cfg), lr=3e-4)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    requantize_after_step(engine, engine.module)             # compute copies follow the masters
+    ...
+    print(measure_storage(engine).table())                   # the same categories, measured
 """
 
 from deepspeed_ppq.quant.formats import QuantizedWeight, quantize_weight
