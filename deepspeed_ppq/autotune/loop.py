@@ -388,50 +388,88 @@ def _summary(plan: Plan, run: dict) -> dict:
     }
 
 
-def _calibrate(problem: PlanningProblem, base: Plan, run: dict) -> dict:
-    """Refit the cost model to what the engine measured on the baseline (in place on ``problem``).
+def _stage_compute(problem: PlanningProblem, sp, b: int) -> float:
+    t = 0.0
+    for layer in problem.layers[sp.layers[0] : sp.layers[1]]:
+        f, bi, bw = layer.time("none", b)
+        t += f * (2 if sp.recompute else 1) + bi + bw
+    return t
 
-    Layer times are scaled by the median over stages of measured / profiled forward+backward time per
-    micro-batch (the isolated profile and the engine see different caches, threads and load); the
-    optimizer cost per parameter is refit from the measured optimizer step; what is left of the
-    measured step time, if positive, is spread as a fixed overhead per stage and micro-batch slot
-    (``m + p - 1``). The measured link (latency = the peer's wake-up on a busy machine) is kept: one
-    baseline run cannot separate it from the overhead, and it is what makes small micro-batches dear."""
+
+def _calibrate(problem: PlanningProblem, runs: list[tuple[Plan, dict]]) -> dict:
+    """Refit the cost model to what the engine measured (in place on ``problem``).
+
+    Each stage of each run gives a point (profiled forward+backward time per micro-batch, measured
+    ``ForwardPass + BackwardPass`` per micro-batch); a least-squares line ``measured = a * profiled + c``
+    over the points gives the time scale ``a`` (the isolated profile and the engine see different
+    caches, threads and load) and a fixed engine cost ``c >= 0`` per stage and micro-batch (buffer
+    handling, instruction dispatch). Runs at two micro-batch sizes are what separate the two. The
+    optimizer cost per parameter is refit from the measured optimizer steps. What is left of the first
+    run's step time, if positive, is spread per micro-batch slot (``m + p - 1``). The measured link is
+    kept (on a busy machine its latency is mostly the peer's wake-up)."""
+    from deepspeed_ppq.autotune.costs import NO_CODEC
     from deepspeed_ppq.autotune.planner import Knobs, StageChoice, evaluate_stages
 
-    m, b = base.num_microbatches, base.micro_batch_size
-    ratios, opt = [], []
-    for sp, st in zip(base.stages, run["stages"]):
-        ins = st["measured_instructions_per_step"]
-        meas = (ins.get("ForwardPass", 0.0) + ins.get("BackwardPass", 0.0)) / m
-        pred = 0.0
-        for layer in problem.layers[sp.layers[0] : sp.layers[1]]:
-            f, bi, bw = layer.time("none", b)
-            pred += f * (2 if sp.recompute else 1) + bi + bw
-        if meas > 0 and pred > 0:
-            ratios.append(meas / pred)
-        params = sum(layer.params for layer in problem.layers[sp.layers[0] : sp.layers[1]])
-        if ins.get("OptimizerStep"):
-            opt.append(ins["OptimizerStep"] / params)
-    scale = statistics.median(ratios) if ratios else 1.0
+    xs, ys, opt = [], [], []
+    for plan, run in runs:
+        m, b = plan.num_microbatches, plan.micro_batch_size
+        for sp, st in zip(plan.stages, run["stages"]):
+            ins = st["measured_instructions_per_step"]
+            meas = (ins.get("ForwardPass", 0.0) + ins.get("BackwardPass", 0.0)) / m
+            pred = _stage_compute(problem, sp, b)
+            if meas > 0 and pred > 0:
+                xs.append(pred)
+                ys.append(meas)
+            params = sum(layer.params for layer in problem.layers[sp.layers[0] : sp.layers[1]])
+            if ins.get("OptimizerStep"):
+                opt.append(ins["OptimizerStep"] / params)
+    scale, fixed = 1.0, 0.0
+    if xs:
+        mx, my = statistics.mean(xs), statistics.mean(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        if var > 0:
+            scale = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+            fixed = my - scale * mx
+        if var == 0 or scale <= 0 or fixed < 0:  # one size only, or a line through noise: scale alone
+            scale, fixed = sum(ys) / sum(xs), 0.0
     for layer in problem.layers:
         layer.times = {f: {mb: [x * scale for x in v] for mb, v in t.items()} for f, t in layer.times.items()}
     if opt:
-        problem.optimizer_s_per_param = max(opt)
-    problem.microbatch_overhead_s = 0.0
-    from deepspeed_ppq.autotune.costs import NO_CODEC
-
+        problem.optimizer_s_per_param = statistics.median(opt)
+    problem.microbatch_overhead_s = fixed
+    base, run = runs[0]
+    m, b = base.num_microbatches, base.micro_batch_size
     k = Knobs(base.pipeline_degree, b, m, base.schedule, NO_CODEC, NO_CODEC, False)
     stages = [StageChoice(*sp.layers, "none", sp.recompute) for sp in base.stages]
-    measured = run["measured_step_time"]
     pred = evaluate_stages(problem, k, stages)["step_time"]
-    problem.microbatch_overhead_s = max(0.0, (measured - pred) / (m + base.pipeline_degree - 1))
+    residual = max(0.0, (run["measured_step_time"] - pred) / (m + base.pipeline_degree - 1))
+    problem.microbatch_overhead_s += residual
     return {
         "link_latency_s": problem.link.latency_s,
         "time_scale": scale,
+        "fixed_per_microbatch_s": fixed,
+        "residual_per_slot_s": residual,
         "optimizer_s_per_param": problem.optimizer_s_per_param,
         "microbatch_overhead_s": problem.microbatch_overhead_s,
+        "points": [[x, y] for x, y in zip(xs, ys)],
     }
+
+
+def _calibration_plan(problem: PlanningProblem, base: Plan) -> Plan | None:
+    """The baseline's partition at the smallest other micro-batch size that splits the batch."""
+    from deepspeed_ppq.autotune.costs import NO_CODEC
+    from deepspeed_ppq.autotune.planner import Knobs, StageChoice, _to_plan, evaluate_stages
+
+    dp, gb = base.data_parallel, base.global_batch
+    for b in sorted(problem.micro_batch_sizes):
+        if b == base.micro_batch_size or gb % (b * dp):
+            continue
+        k = Knobs(base.pipeline_degree, b, gb // (b * dp), base.schedule, NO_CODEC, NO_CODEC, False)
+        stages = [StageChoice(*sp.layers, "none", sp.recompute) for sp in base.stages]
+        ev = evaluate_stages(problem, k, stages)
+        if ev["fits"]:
+            return _to_plan(problem, k, stages, ev, ["calibration run: the baseline at another micro-batch"])
+    return None
 
 
 def _back_off(layers: list[LayerProfile], plan: Plan, problem: PlanningProblem) -> str | None:
@@ -566,10 +604,20 @@ def run_tuning(spec: TuneSpec) -> dict | None:
             f"baseline {method}: boundaries {other.boundaries}, measured "
             f"{extra[method]['run']['measured_step_time'] * 1e3:.1f} ms"
         )
-    calibration = _calibrate(problem, base, base_run)
+    runs = [(base, base_run)]
+    calib = _calibration_plan(problem, base) if rank == 0 else None
+    calib = _bcast(calib)
+    if calib is not None:
+        runs.append((calib, _summary(calib, _run_plan(spec, calib, train_ds, val_ds))))
+        note(
+            f"calibration run: micro-batch {calib.micro_batch_size} x {calib.num_microbatches}, "
+            f"measured {runs[-1][1]['measured_step_time'] * 1e3:.1f} ms"
+        )
+    calibration = _calibrate(problem, runs)
     note(
-        f"calibration from the baseline run: layer times x{calibration['time_scale']:.3f}, "
-        f"engine overhead {calibration['microbatch_overhead_s'] * 1e3:.2f} ms per stage and micro-batch, "
+        f"calibration: layer times x{calibration['time_scale']:.3f}, "
+        f"engine {calibration['fixed_per_microbatch_s'] * 1e3:.2f} ms per stage and micro-batch "
+        f"(+{calibration['residual_per_slot_s'] * 1e3:.2f} ms per slot), "
         f"link latency {calibration['link_latency_s'] * 1e6:.0f} us, "
         f"optimizer {calibration['optimizer_s_per_param'] * 1e9:.2f} ns/param"
     )

@@ -49,6 +49,16 @@ def _plan_section(title: str, plan: Plan, run: dict) -> list[str]:
             f"| {st['stage']} | {st['layers'][0]}-{st['layers'][1] - 1} | {mix} | {st['recompute']} | "
             f"{st['predicted_time_per_microbatch'] * 1e3:.2f} | {_mib(pm)} | {_mib(mm)} | {_ratio(pm, mm)} |"
         )
+    lines += ["", "Measured engine time per step by instruction (ms):", ""]
+    names = sorted({n for st in run["stages"] for n in st.get("measured_instructions_per_step", {})})
+    if names:
+        lines.append("| stage | " + " | ".join(names) + " |")
+        lines.append("|---" * (len(names) + 1) + "|")
+        for st in run["stages"]:
+            ins = st.get("measured_instructions_per_step", {})
+            lines.append(
+                f"| {st['stage']} | " + " | ".join(f"{ins.get(n, 0.0) * 1e3:.1f}" for n in names) + " |"
+            )
     lines += ["", "Memory by category (MiB, predicted / measured):", ""]
     cats = list(run["stages"][0]["predicted_memory"])
     lines.append("| stage | " + " | ".join(cats) + " |")
