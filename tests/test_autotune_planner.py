@@ -222,8 +222,8 @@ def test_bad_batch_split_is_a_clear_error():
 
 def test_optimizer_bytes_8bit():
     assert optimizer_bytes([100], True) == 800  # small tensors keep fp32 states
-    assert optimizer_bytes([8192], False) == 65536
-    assert optimizer_bytes([8192], True) == 2 * (8192 + 4 * 32 + 1024)
+    assert optimizer_bytes([8192], False) == 65536 + 4
+    assert optimizer_bytes([8192], True) == 2 * (8192 + 4 * 32)
 
 
 def test_plan_json_round_trip_and_version(tmp_path):
@@ -279,3 +279,11 @@ def test_plan_rules_from_linear_formats():
     from deepspeed_ppq.config import load_ppq_config
 
     load_ppq_config({"ppq": plan.ppq_section()})  # the section validates against the shared config
+
+
+def test_optimizer_bytes_match_the_quant_ledger():
+    from deepspeed_ppq.quant.optim import optimizer_state_bytes
+
+    for n in (10, 4095, 4096, 5000, 65536):
+        for kind, eight in (("adam", False), ("adam8bit", True)):
+            assert optimizer_bytes([n], eight) == sum(optimizer_state_bytes(n, kind=kind).values()), (n, kind)

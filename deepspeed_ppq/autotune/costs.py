@@ -8,9 +8,10 @@ Memory accounting per parameter (what a stage keeps; see ``layer_static_bytes``)
     for quantized Linear weights, training dtype for the rest), measured by the profiler;
   - master: an fp32 master copy of every quantized weight (4 B/param; the optimizer updates it);
   - gradients: fp32, 4 B per trainable parameter;
-  - optimizer: Adam, 8 B per trainable parameter; with 8-bit states (bitsandbytes blockwise, 256
-    values per fp32 absmax, plus a 256-entry fp32 code per state) 2 B + 2 x 4 B per 256 values + 2 KiB
-    per tensor, except tensors below 4096 elements, which keep fp32 states.
+  - optimizer: Adam, 8 B per trainable parameter (+ 4 B step per tensor); with 8-bit states
+    (bitsandbytes blockwise, 256 values per fp32 absmax) 2 B + 2 x 4 B per 256 values, except tensors
+    below 4096 elements, which keep fp32 states. The two 8-bit code maps the optimizer shares (2 KiB in
+    all, per stage) are left out. This mirrors ``quant.optim.optimizer_state_bytes``.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ def optimizer_bytes(param_numels: list[int], eight_bit: bool) -> int:
     """Adam state bytes for parameter tensors of the given sizes (two states per parameter)."""
     total = 0
     for n in param_numels:
-        if not eight_bit or n < _BNB_MIN_8BIT:
+        if not eight_bit:
+            total += 8 * n + 4  # torch Adam: two fp32 moments and a 0-dim fp32 step
+        elif n < _BNB_MIN_8BIT:
             total += 8 * n
         else:
-            total += 2 * (n + 4 * math.ceil(n / _BNB_BLOCK) + 256 * 4)
+            total += 2 * (n + 4 * math.ceil(n / _BNB_BLOCK))
     return total
 
 
