@@ -87,10 +87,15 @@ inline float bf16_to_f32(uint16_t h) { return from_bits(uint32_t(h) << 16); }
 inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as c10::BFloat16
   uint32_t u = bits(f);
   uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return std::isnan(f) ? uint16_t(0x7fc0) : uint16_t(r);
+  return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t(0x7fc0) : uint16_t(r);
 }
 
-// fp32 -> fp8 bits, c10's recipe without branches (inputs already clamped to the finite range).
+// fp32 -> fp8 bits, c10's recipe (fp8e4m3fn/e5m2_from_fp32_value) with integer masks instead of
+// branches so it vectorises; inputs are already clamped to the finite range.
+inline uint32_t sel(bool c, uint32_t a, uint32_t b) {
+  uint32_t m = 0u - uint32_t(c);
+  return (a & m) | (b & ~m);
+}
 inline uint8_t f32_to_e4m3(float f) {
   uint32_t u = bits(f);
   uint32_t sign = u & 0x80000000u;
@@ -98,9 +103,9 @@ inline uint8_t f32_to_e4m3(float f) {
   constexpr uint32_t dm = 141u << 23;
   uint32_t r_dn = bits(from_bits(u) + from_bits(dm)) - dm;
   uint32_t r_n = (u + ((uint32_t)(7 - 127) << 23) + 0x7ffffu + ((u >> 20) & 1u)) >> 20;
-  uint32_t r = u < (121u << 23) ? r_dn : r_n;
-  r = r == 0x7fu ? 0x7eu : r;
-  r = u > 0x7f800000u ? 0x7fu : r;
+  uint32_t r = sel(u < (121u << 23), r_dn, r_n);
+  r = sel(r == 0x7fu, 0x7eu, r);
+  r = sel(u > 0x7f800000u, 0x7fu, r);
   return uint8_t(r | (sign >> 24));
 }
 inline uint8_t f32_to_e5m2(float f) {
@@ -110,24 +115,27 @@ inline uint8_t f32_to_e5m2(float f) {
   constexpr uint32_t dm = 134u << 23;
   uint32_t r_dn = bits(from_bits(u) + from_bits(dm)) - dm;
   uint32_t r_n = (u + ((uint32_t)(15 - 127) << 23) + 0xfffffu + ((u >> 21) & 1u)) >> 21;
-  uint32_t r = u < (113u << 23) ? r_dn : r_n;
-  r = u > 0x7f800000u ? 0x7fu : r;
+  uint32_t r = sel(u < (113u << 23), r_dn, r_n);
+  r = sel(u > 0x7f800000u, 0x7fu, r);
   return uint8_t(r | (sign >> 24));
 }
-// fp8 bits -> fp32, arithmetic (no table): normal = exponent rebias, subnormal = mantissa * 2^-k.
+// fp8 bits -> fp32, arithmetic on the bits (no table, no branch): normal = exponent rebias,
+// subnormal = mantissa * 2^-k, then the special codes (e4m3fn: NaN only; e5m2: Inf and NaN).
 inline float e4m3_to_f32(uint8_t c) {
   uint32_t u = c & 0x7fu;
-  float mag = u >= 8u ? from_bits((u << 20) + (120u << 23)) : float(u) * 0x1p-9f;
-  mag = u == 0x7fu ? std::numeric_limits<float>::quiet_NaN() : mag;
-  return from_bits(bits(mag) | (uint32_t(c & 0x80u) << 24));
+  uint32_t nb = (u << 20) + (120u << 23);
+  uint32_t sb = bits(float(int32_t(u)) * 0x1p-9f);
+  uint32_t r = sel(u >= 8u, nb, sb);  // integer masks, not ?: (GCC keeps those as branches here)
+  r = sel(u == 0x7fu, 0x7fc00000u, r);
+  return from_bits(r | (uint32_t(c & 0x80u) << 24));
 }
 inline float e5m2_to_f32(uint8_t c) {
   uint32_t u = c & 0x7fu;
-  float mag = u >= 4u ? from_bits((u << 21) + (112u << 23)) : float(u) * 0x1p-16f;
-  mag = u >= 0x7cu ? (u == 0x7cu ? std::numeric_limits<float>::infinity()
-                                 : std::numeric_limits<float>::quiet_NaN())
-                   : mag;
-  return from_bits(bits(mag) | (uint32_t(c & 0x80u) << 24));
+  uint32_t nb = (u << 21) + (112u << 23);
+  uint32_t sb = bits(float(int32_t(u)) * 0x1p-16f);
+  uint32_t r = sel(u >= 4u, nb, sb);
+  r = sel(u >= 0x7cu, 0x7f800000u | (uint32_t(u > 0x7cu) << 22), r);  // 0x7c: Inf; above: NaN
+  return from_bits(r | (uint32_t(c & 0x80u) << 24));
 }
 
 // Round to nearest even for |y| <= 2^22 (callers clamp to +-127 first).
@@ -183,12 +191,14 @@ void encode_block(const float* v, int64_t len, Fmt f, float s, bool tail, uint8_
     }
   } else if (f == Fmt::E4M3 || f == Fmt::E5M2) {
     const float Q = qmax(f);
-    const bool e4 = f == Fmt::E4M3;
-    for (int64_t i = 0; i < len; ++i) {
-      float y = v[i] * inv;
+    auto clamp = [Q](float y) {
       y = y < -Q ? -Q : y;
-      y = y > Q ? Q : y;
-      codes[i] = e4 ? f32_to_e4m3(y) : f32_to_e5m2(y);
+      return y > Q ? Q : y;
+    };
+    if (f == Fmt::E4M3) {
+      for (int64_t i = 0; i < len; ++i) codes[i] = f32_to_e4m3(clamp(v[i] * inv));
+    } else {
+      for (int64_t i = 0; i < len; ++i) codes[i] = f32_to_e5m2(clamp(v[i] * inv));
     }
   } else {
     alignas(64) uint8_t nib[4096 + 1];
@@ -203,13 +213,17 @@ void encode_block(const float* v, int64_t len, Fmt f, float s, bool tail, uint8_
     } else {  // NF4, bitsandbytes' rule: multiply by 1/max(s,1e-38); the partial last block divides.
       const float sc = std::max(s, 1e-38f);
       const float r = 1.0f / sc;
-      for (int64_t i = 0; i < len; ++i) {
-        float y = tail ? v[i] / sc : v[i] * r;
+      auto code = [](float y) {
         y = y < -1.0f ? -1.0f : y;
         y = y > 1.0f ? 1.0f : y;
-        uint8_t k = 0;
-        for (int j = 0; j < 15; ++j) k += kMid.v[j] < y;
-        nib[i] = k;
+        int k = 0;
+        for (int j = 0; j < 15; ++j) k += __builtin_isless(kMid.v[j], y);  // quiet compare: vectorises
+        return uint8_t(k);
+      };
+      if (tail) {
+        for (int64_t i = 0; i < len; ++i) nib[i] = code(v[i] / sc);
+      } else {
+        for (int64_t i = 0; i < len; ++i) nib[i] = code(v[i] * r);
       }
       nib[len] = 7;
     }
@@ -226,6 +240,17 @@ inline void store(Out* o, int64_t i, float v) {
     o[i] = f32_to_bf16(v);
   }
 }
+
+#ifdef __AVX512F__
+inline void store16(float* o, __m512 x) { _mm512_storeu_ps(o, x); }
+inline void store16(uint16_t* o, __m512 x) {  // 16 x fp32 -> bf16, round to nearest even as f32_to_bf16
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(r));
+}
+#endif
 
 // Decode one block: `codes` at the block's first code byte, `o` at its first output value.
 template <typename Out>
@@ -258,7 +283,7 @@ void decode_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o) {
       const int64_t np = len / 2;
       int64_t i = 0;
 #ifdef __AVX512F__
-      if constexpr (std::is_same_v<Out, float>) {
+      {
         const __m512 t = _mm512_load_ps(lut);
         for (; i + 16 <= np; i += 16) {
           __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
@@ -267,8 +292,8 @@ void decode_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o) {
           // interleave hi/lo: out[2j] = hi[j], out[2j+1] = lo[j]
           const __m512i i0 = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
           const __m512i i1 = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-          _mm512_storeu_ps(o + 2 * i, _mm512_permutex2var_ps(hi, i0, lo));
-          _mm512_storeu_ps(o + 2 * i + 16, _mm512_permutex2var_ps(hi, i1, lo));
+          store16(o + 2 * i, _mm512_permutex2var_ps(hi, i0, lo));
+          store16(o + 2 * i + 16, _mm512_permutex2var_ps(hi, i1, lo));
         }
       }
 #endif
