@@ -579,8 +579,19 @@ def run_tuning(spec: TuneSpec) -> dict | None:
 
     problem = _problem(spec, world, lprof, codecs, link, opt_s)
     degree = max(problem.degrees())
-    base = baseline_plan(problem, "parameters", pipeline_degree=degree) if rank == 0 else None
+    base = None
+    if rank == 0:
+        try:
+            base = baseline_plan(problem, "parameters", pipeline_degree=degree)
+        except InfeasibleBudgetError as baseline_error:  # every rank must learn of it
+            base = baseline_error
+            try:
+                plan_pipeline(problem)
+            except InfeasibleBudgetError as smallest:  # names the smallest budget that fits
+                base = smallest
     base = _bcast(base)
+    if isinstance(base, Exception):
+        raise base
     note(
         f"baseline: boundaries {base.boundaries}, micro-batch {base.micro_batch_size} x "
         f"{base.num_microbatches}, "
