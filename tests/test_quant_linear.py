@@ -311,5 +311,70 @@ def test_requantize_hook_with_a_real_deepspeed_engine():
     assert res["pipe_changed"] and res["pipe_matches_master"]
 
 
+def _pipeline_rank() -> None:
+    """Two pipeline stages, each converting and re-quantizing its own layers; rank 0 also trains the
+    same model in one process (same thread count) as the reference."""
+    import os
+
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    from dist_utils import write_result
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=4)
+    blocks = [i for i, k in enumerate(layer_kinds(cfg)) if k == "block"]
+    wcfg = WeightsConfig(format="nf4", keep_first_blocks=0, keep_last_blocks=1)
+    # DeepSpeed 0.19.8 clips gradients to norm 1.0 by default (runtime/constants.py); the reference does not
+    ds_config = {
+        "train_batch_size": 4,
+        "train_micro_batch_size_per_gpu": 4,
+        "steps_per_print": 10**6,
+        "gradient_clipping": 0.0,
+    }
+    torch.manual_seed(0)
+    batches = [torch.randint(0, 64, (4, 16)) for _ in range(3)]
+
+    pipe = PipelineModule(layers=gpt_layers(cfg), num_stages=2, loss_fn=gpt_loss, partition_method="uniform")
+    convert_model(pipe, wcfg, block_layers=blocks, num_blocks=len(blocks))
+    opt = build_optimizer([p for p in pipe.parameters()], "adam", lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=pipe, optimizer=opt, config=ds_config)
+    requantize_after_step(engine, engine.module)
+    mine = sorted(n for n, m in engine.module.named_modules() if isinstance(m, QuantLinear))
+    losses = [float(engine.train_batch(data_iter=iter([(b, b)]))) for b in batches]
+    out = {"rank": int(os.environ["RANK"]), "quantized": mine, "losses": losses}
+    if out["rank"] == 0:
+        ref = convert_model(GPT(cfg), wcfg, block_layers=blocks)
+        ropt = build_optimizer(ref.parameters(), "adam", lr=1e-2)
+        requantize_after_step(ropt, ref)
+        out["reference"] = []
+        for b in batches:
+            ropt.zero_grad(set_to_none=True)
+            loss = gpt_loss(ref(b), b)
+            loss.backward()
+            ropt.step()
+            out["reference"].append(loss.item())
+    write_result(out)
+
+
+@pytest.mark.distributed
+def test_two_stage_deepspeed_pipeline_matches_one_process():
+    from dist_utils import run_ranks
+
+    r0, r1 = run_ranks(__file__, 2, ["--pipeline-rank"], timeout=300)
+    # uniform split of [embed, 4 blocks, head]: stage 0 = layers 0-2, stage 1 = layers 3-5;
+    # the last block (layer 4) stays dense, so stage 1 quantizes only layer 3
+    assert r0["quantized"] == [
+        f"{i}.{n}" for i in (1, 2) for n in ("attn.proj", "attn.qkv", "mlp.fc", "mlp.proj")
+    ]
+    assert r1["quantized"] == [f"3.{n}" for n in ("attn.proj", "attn.qkv", "mlp.fc", "mlp.proj")]
+    assert r1["losses"] == r0["losses"]  # the engine broadcasts the last stage's loss
+    torch.testing.assert_close(
+        torch.tensor(r0["losses"]), torch.tensor(r0["reference"]), rtol=1e-4, atol=1e-5
+    )
+    assert r0["losses"][-1] < r0["losses"][0]
+
+
 if __name__ == "__main__" and "--deepspeed-rank" in sys.argv:
     _deepspeed_rank()
+if __name__ == "__main__" and "--pipeline-rank" in sys.argv:
+    _pipeline_rank()
