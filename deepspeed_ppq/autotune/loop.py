@@ -35,6 +35,7 @@ from deepspeed_ppq.autotune.planner import (
     PlanningProblem,
     baseline_plan,
     plan_pipeline,
+    simulate_plan,
 )
 
 __all__ = ["TuneSpec", "run_tuning", "SavedTensorLedger"]
@@ -625,6 +626,7 @@ def run_tuning(spec: TuneSpec) -> dict | None:
             f"measured {runs[-1][1]['measured_step_time'] * 1e3:.1f} ms"
         )
     calibration = _calibrate(problem, runs)
+    base_run["simulated_after_calibration"] = simulate_plan(problem, base)
     note(
         f"calibration: layer times x{calibration['time_scale']:.3f}, "
         f"engine {calibration['fixed_per_microbatch_s'] * 1e3:.2f} ms per stage and micro-batch "
@@ -643,6 +645,7 @@ def run_tuning(spec: TuneSpec) -> dict | None:
         if isinstance(plan, Exception):
             raise plan
         run = _summary(plan, _run_plan(spec, plan, train_ds, val_ds))
+        run["simulated"] = simulate_plan(problem, plan)
         limit = base_run["val_loss"] * (1 + spec.val_loss_tolerance)
         ok = run["val_loss"] <= limit
         rec = {"iteration": it, "plan": plan.to_dict(), "run": run, "accepted": ok}

@@ -572,3 +572,62 @@ def baseline_plan(
         f"the DeepSpeed baseline (partition_method={method!r}, p={p}) does not fit "
         f"memory_budget={prob.memory_budget} B at any micro-batch size in {prob.micro_batch_sizes}"
     )
+
+
+def simulate_plan(prob: PlanningProblem, plan: Plan) -> dict:
+    """Replay a plan in the schedule simulator (``deepspeed_ppq.schedule``) on DeepSpeed's own
+    TrainSchedule ordering, as a second opinion beside the planner's closed-form model.
+
+    Stage costs are the planner's (profiled layer times in the planned formats, the calibrated engine
+    overhead charged to the forward, recomputation, the optimizer step); messages carry the codec's
+    wire bytes over the planner's link with blocking sends, as DeepSpeed's p2p does.
+
+    Returns:
+        ``{"step_time", "bubble_fraction", "idle": [per stage]}``.
+    """
+    from deepspeed_ppq.schedule import LinkModel as SimLink
+    from deepspeed_ppq.schedule import StageCost, build_schedule, simulate
+
+    b, m = plan.micro_batch_size, plan.num_microbatches
+    codecs = {}
+    for name, cands, cfg in (
+        ("act", prob.activation_codecs, plan.activation_codec),
+        ("grad", prob.gradient_codecs, plan.gradient_codec),
+    ):
+        codecs[name] = next((c for c in cands if c.as_dict == cfg), NO_CODEC)
+    a, g = codecs["act"], codecs["grad"]
+    costs, bbytes, ctime = [], [], []
+    for sp in plan.stages:
+        f = bi = bw = 0.0
+        layers = prob.layers[sp.layers[0] : sp.layers[1]]
+        for layer, fmt in zip(layers, sp.formats):
+            x, y, z = layer.time(fmt, b)
+            f, bi, bw = f + x, bi + y, bw + z
+        params = sum(layer.params for layer in layers)
+        k = Knobs(plan.pipeline_degree, b, m, plan.schedule, a, g, plan.optimizer_8bit)
+        costs.append(
+            StageCost(
+                forward=f + prob.microbatch_overhead_s,
+                backward_input=bi,
+                backward_weight=bw,
+                recompute=f if sp.recompute else 0.0,
+                optimizer=_extras(prob, k, params),
+            )
+        )
+        if sp.layers[1] < len(prob.layers):
+            raw = layers[-1].output_bytes * b
+            bbytes.append((int(raw * a.wire_ratio), int(raw * g.wire_ratio)))
+            ctime.append(
+                (
+                    raw * (a.encode_s_per_byte + a.decode_s_per_byte),
+                    raw * (g.encode_s_per_byte + g.decode_s_per_byte),
+                )
+            )
+    sched = build_schedule("deepspeed" if plan.schedule == "1f1b" else plan.schedule, plan.pipeline_degree, m)
+    link = SimLink(latency_s=prob.link.latency_s, bandwidth_Bps=prob.link.bandwidth_Bps, overlap=False)
+    res = simulate(sched, costs, bbytes, link, codec_time=ctime)
+    return {
+        "step_time": res.step_time,
+        "bubble_fraction": res.bubble_fraction,
+        "idle": [st.idle for st in res.per_stage],
+    }

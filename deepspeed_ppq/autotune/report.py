@@ -37,6 +37,15 @@ def _plan_section(title: str, plan: Plan, run: dict) -> list[str]:
         f"(prediction error {_ratio(pred_t, meas_t)}); {run['samples_per_second']:.2f} samples/s measured",
         f"- predicted bubble fraction {plan.predicted_bubble_fraction:.3f}; "
         f"validation loss {run['val_loss']:.4f}",
+    ]
+    sim = run.get("simulated") or run.get("simulated_after_calibration")
+    if sim:
+        lines.append(
+            "- schedule simulator (DeepSpeed TrainSchedule, same costs): "
+            f"step {sim['step_time'] * 1e3:.1f} ms, "
+            f"bubble {sim['bubble_fraction']:.3f}"
+        )
+    lines += [
         "",
         "| stage | layers | precision | recompute | time/µb ms | memory MiB predicted | measured | error |",
         "|---|---|---|---|---|---|---|---|",
