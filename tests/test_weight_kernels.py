@@ -211,3 +211,32 @@ def test_python_checks_name_the_problem():
         wops.weight_quantize(x, "int4", 64, per_tensor=True)
     with pytest.raises(ValueError, match="x has dtype torch.int64"):
         wops.weight_quantize(torch.arange(10), "int8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_cuda_kernels_match_cpu(fmt, dtype, per_tensor):
+    """csrc/cuda/weights.cu gives the CPU kernel's codes, scales and values bit for bit."""
+    if per_tensor and not fmt.startswith("fp8"):
+        pytest.skip("per-tensor scales are for fp8 formats only")
+    assert registry.has_kernel("weight_quantize_out", "cuda"), registry.native_status()
+    x = _sample((513, 77), dtype, seed=11)
+    for block_size, scale_dtype in ((64, torch.float32), (16, torch.bfloat16), (4096, torch.float32)):
+        c, s = _buffers(fmt, x.numel(), block_size, scale_dtype, per_tensor)
+        torch.ops.ppq.weight_quantize_out(x, fmt, block_size, c, s)
+        cg, sg = c.cuda(), s.cuda()
+        torch.ops.ppq.weight_quantize_out(x.cuda(), fmt, block_size, cg, sg)
+        assert torch.equal(sg.cpu(), s) and torch.equal(_codes_bits(cg.cpu()), _codes_bits(c))
+        for out_dtype in (torch.float32, torch.bfloat16):
+            o = torch.empty(x.shape, dtype=out_dtype)
+            torch.ops.ppq.weight_dequantize_out(c, s, fmt, block_size, o)
+            og = torch.empty(x.shape, dtype=out_dtype, device="cuda")
+            torch.ops.ppq.weight_dequantize_out(cg, sg, fmt, block_size, og)
+            assert torch.equal(og.cpu(), o)
+        cg2 = torch.empty_like(cg)
+        torch.ops.ppq.weight_quantize_codes_out(x.cuda(), s.float().cuda(), fmt, block_size, cg2)
+        c2 = torch.empty_like(c)
+        torch.ops.ppq.weight_quantize_codes_out(x, s.float(), fmt, block_size, c2)
+        assert torch.equal(_codes_bits(cg2.cpu()), _codes_bits(c2))
