@@ -268,6 +268,9 @@ def _deepspeed_rank() -> None:
         eb.backward(gpt_loss(eb(x), x))
         eb.step()
         exact = quantize_weight(layer.weight.detach(), "int8").dequantize(torch.float32)
+        led = measure_storage(eb)
+        n_params = sum(p.numel() for p in eb.module.parameters())
+        out[f"bf16_zero{zero}_ledger"] = [led.bytes, n_params]
         out[f"bf16_zero{zero}"] = [
             str(layer.weight.dtype),
             type(eb.optimizer).__name__,
@@ -302,6 +305,11 @@ def test_requantize_hook_with_a_real_deepspeed_engine():
     assert res["bnb_changed"] and res["bnb_matches_master"]
     assert res["bf16_zero0"] == ["torch.bfloat16", "FP16_UnfusedOptimizer", True, True]
     assert res["bf16_zero1"] == ["torch.bfloat16", "DeepSpeedZeroOptimizer", True, True]
+    for zero in (0, 1):
+        led, n = res[f"bf16_zero{zero}_ledger"]
+        # the wrapper's fp32 masters (4 B/param) are measured; Adam's moments are fp32 (8 B/param)
+        assert led["optimizer.wrapper"] >= 4 * n, (zero, led)
+        assert led["optimizer.state"] == 8 * n, (zero, led)
     measured, predicted = res["bnb_ledger"]
     assert measured == predicted and measured["optimizer.state_8bit"] > 0
     # blocks are layers 1..4; the first and last stay dense

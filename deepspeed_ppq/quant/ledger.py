@@ -24,6 +24,8 @@ Categories (dotted; ``MemoryLedger.groups()`` sums by the first part):
 ``optimizer.qmap``                 the two shared 8-bit code maps (2 KiB per optimizer)
 ``optimizer.step``                 torch Adam's 0-dim fp32 ``step`` per tensor
 ``buffers``                        module buffers (masks, running stats)
+``optimizer.wrapper``              measured only: the flat fp32 masters, gradient buffers and the
+                                   like that a DeepSpeed bf16/fp16/ZeRO optimizer wrapper holds
 ``workspace``                      the dense dequantization buffers ``QuantLinear`` shares: one per
                                    distinct low-bit weight shape and compute dtype
 =================================  ============================================================
@@ -34,8 +36,9 @@ The low-bit compute copy pays off with 8-bit states (-6 B), in "frozen" mode (co
 only: no master, gradient or state) and for the bytes the forward pass reads.
 
 Scope: the model's parameters are what the optimizer updates (plain torch training, DeepSpeed fp32
-without ZeRO). DeepSpeed's bf16/fp16 and ZeRO wrappers keep extra fp32 flat copies that neither the
-prediction nor ``measure_storage`` sees.
+without ZeRO). DeepSpeed's bf16/fp16 and ZeRO wrappers keep extra fp32 flat copies: ``measure_storage``
+counts them as ``optimizer.wrapper`` (given the engine), the prediction does not model them. ZeRO also
+flattens the bf16 parameters into one buffer, so the first parameter that reaches it carries its bytes.
 """
 
 from __future__ import annotations
@@ -352,9 +355,11 @@ def measure_storage(model: nn.Module, optimizer=None) -> MemoryLedger:
     """
     from deepspeed_ppq.quant.linear import QuantLinear
 
-    if optimizer is None and hasattr(model, "basic_optimizer"):
-        optimizer = model.basic_optimizer
-    if hasattr(model, "module") and not isinstance(model, QuantLinear) and hasattr(model, "basic_optimizer"):
+    wrapper = None
+    if hasattr(model, "basic_optimizer") and hasattr(model, "module"):  # a DeepSpeed engine
+        if optimizer is None:
+            optimizer = model.basic_optimizer
+        wrapper = getattr(model, "optimizer", None)
         model = model.module
     led = MemoryLedger()
     seen: set[tuple[str, int]] = set()
@@ -411,4 +416,33 @@ def measure_storage(model: nn.Module, optimizer=None) -> MemoryLedger:
                 else:
                     cat = "optimizer.state"
                 count(cat, t)
+        # fp32 flat copies a mixed-precision/ZeRO wrapper hands the torch optimizer, and their grads
+        for g in opt.param_groups:
+            for p in g["params"]:
+                count("optimizer.wrapper", p)
+                count("optimizer.wrapper", p.grad)
+    if wrapper is not None and not isinstance(wrapper, torch.optim.Optimizer):
+        for t in _tensors_in(wrapper):
+            count("optimizer.wrapper", t)
     return led
+
+
+def _tensors_in(obj, depth: int = 4, _seen: set | None = None):
+    """Tensors reachable from a DeepSpeed optimizer wrapper's attributes (lists, dicts, nested objects)."""
+    seen = _seen if _seen is not None else set()
+    if id(obj) in seen or depth < 0:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple, set)):
+        for v in obj:
+            yield from _tensors_in(v, depth - 1, seen)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v, depth - 1, seen)
+    elif not isinstance(
+        obj, (nn.Module, torch.optim.Optimizer, str, bytes, int, float, bool, type(None))
+    ) and hasattr(obj, "__dict__"):
+        for v in vars(obj).values():
+            yield from _tensors_in(v, depth - 1, seen)
