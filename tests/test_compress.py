@@ -266,3 +266,66 @@ def test_property_any_shape(shape, idx, scale, seed):
     assert torch.isfinite(y).all()
     if cfg.method in ("none", "quant", "fp8"):
         assert (y - x).abs().max() <= x.abs().max() * 1.0 + 1e-30
+
+
+# Codecs with state on both sides, so every allocation path (payload, decoded output, EF/EF21 buffers,
+# EF-mixed selection, AQ-SGD per-sample buffers) is exercised on the tensor's own device.
+DEVICE_CASES = {
+    "quant8_token": (CodecConfig(method="quant", bits=8), None),
+    "quant4_group_ef21": (CodecConfig(method="quant", bits=4, granularity="group", group_size=8,
+                                      error_feedback="ef21"), None),
+    "fp8_ef": (CodecConfig(method="fp8", error_feedback="ef"), None),
+    "topk_ef_mixed": (CodecConfig(method="topk", topk_ratio=0.25, error_feedback="ef_mixed"), None),
+    "quant2_aqsgd": (CodecConfig(method="quant", bits=2), AQSGDConfig(enabled=True)),
+}
+
+
+def _device_run(cfg, aq, device):
+    """Three messages through one encoder/decoder pair on ``device``; payloads and outputs back on CPU."""
+    enc, dec = _pair(cfg, aqsgd=aq)
+    g = torch.Generator().manual_seed(0)
+    payloads, outs = [], []
+    for step in range(3):
+        x = torch.randn(4, 3, 24, generator=g).to(device)
+        ids = torch.tensor([0, 1, 2, 3]) + 2 * step
+        p = enc.encode(x, sample_ids=ids)
+        y = dec.decode(p, x.shape, x.dtype, sample_ids=ids)
+        assert p.device == x.device and y.device == x.device
+        payloads.append(p.cpu())
+        outs.append(y.cpu())
+    for side in (enc, dec):
+        if side.state.buf is not None:
+            assert side.state.buf.device == torch.device(device)
+    return payloads, outs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(DEVICE_CASES))
+def test_codecs_stay_on_the_gpu_and_match_cpu(name):
+    """Encode/decode on CUDA allocate on CUDA (no host copies) and give the CPU's bytes and values."""
+    cfg, aq = DEVICE_CASES[name]
+    cpu_p, cpu_y = _device_run(cfg, aq, "cpu")
+    gpu_p, gpu_y = _device_run(cfg, aq, "cuda")
+    for step, (a, b) in enumerate(zip(cpu_p, gpu_p)):
+        # integer codes and packing are bit-exact across kernels; fp32 scales may differ in the last ulp
+        assert a.numel() == b.numel() and a[:8].tolist() == b[:8].tolist(), (name, step)
+        assert (a != b).float().mean().item() < 1e-3, (name, step)
+    for a, b in zip(cpu_y, gpu_y):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_decoder_rejects_out_on_another_device():
+    """``out=`` must live where the payload does (the engines pass their receive buffers)."""
+    enc, dec = _pair(CodecConfig(method="quant", bits=8))
+    x = torch.randn(2, 3, 8)
+    p = enc.encode(x)
+    with pytest.raises(ValueError, match="on the payload's device cpu, got torch.float32"):
+        dec.decode(p, x.shape, x.dtype, out=torch.empty(2, 3, 8, device="meta"))
+
+
+@pytest.mark.parametrize("name", list(DEVICE_CASES))
+def test_codecs_follow_the_tensor_device_on_cpu(name):
+    """The device-following allocations give CPU tensors (and state) for CPU inputs."""
+    cfg, aq = DEVICE_CASES[name]
+    payloads, outs = _device_run(cfg, aq, "cpu")
+    assert all(p.dtype == torch.uint8 for p in payloads) and all(torch.isfinite(y).all() for y in outs)

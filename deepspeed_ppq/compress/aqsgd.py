@@ -78,20 +78,24 @@ class SampleBuffers:
             self._map = np.memmap(self.file, dtype=np.float32, mode="w+", shape=(self.cfg.num_samples, numel))
         return self._map
 
-    def gather(self, sample_ids, sample_shape) -> torch.Tensor:
-        """fp32 ``[B, *sample_shape]``: the buffers of these samples (zeros for unseen ones)."""
+    def gather(self, sample_ids, sample_shape, device: torch.device | str = "cpu") -> torch.Tensor:
+        """fp32 ``[B, *sample_shape]`` on ``device``: the buffers of these samples (zeros for unseen ones).
+
+        Memory storage keeps each buffer where ``scatter`` got it (the activation's device), so a GPU
+        engine makes no host copies; disk storage reads the memmap rows and moves them to ``device``.
+        """
         ids = self._ids(sample_ids, sample_shape)
         if self.cfg.storage == "disk":
             rows = self._memmap()[np.asarray(ids)]
-            return torch.from_numpy(np.ascontiguousarray(rows)).view(len(ids), *sample_shape)
+            return torch.from_numpy(np.ascontiguousarray(rows)).view(len(ids), *sample_shape).to(device)
         zero = None
         out = []
         for i in ids:
             t = self._mem.get(i)
             if t is None:
-                zero = torch.zeros(sample_shape) if zero is None else zero
+                zero = torch.zeros(sample_shape, device=device) if zero is None else zero
                 t = zero
-            out.append(t)
+            out.append(t.to(device))
         return torch.stack(out)
 
     def scatter(self, sample_ids, values: torch.Tensor) -> None:
@@ -102,7 +106,7 @@ class SampleBuffers:
         v = values.detach().float()
         if self.cfg.storage == "disk":
             m = self._memmap()
-            m[np.asarray(ids)] = v.reshape(len(ids), -1).numpy()
+            m[np.asarray(ids)] = v.reshape(len(ids), -1).cpu().numpy()
             return
         for b, i in enumerate(ids):
             self._mem[i] = v[b].clone()

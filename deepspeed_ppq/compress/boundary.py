@@ -96,7 +96,7 @@ class _Side:
         return self._layout(shape, dtype, self._mode(training, uncompressed)).nbytes
 
     def _decoded_f32(self, payload, lay, indices) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = torch.empty(lay.shape, dtype=torch.float32)
+        out = torch.empty(lay.shape, dtype=torch.float32, device=payload.device)
         return out, decode_from(self.cfg, payload, lay, out, indices=indices)
 
     def _count(self, lay: PayloadLayout, t0: float) -> None:
@@ -176,7 +176,7 @@ class BoundaryEncoder(_Side):
             )
         if lay.values_only and indices is None:
             raise ValueError(f"{self.name}: TopK gradients reuse the activation's indices: pass indices=")
-        payload = torch.empty(lay.nbytes, dtype=torch.uint8)
+        payload = torch.empty(lay.nbytes, dtype=torch.uint8, device=x.device)
         x = x.detach()
         if mode == "raw":
             encode_into(_NONE, x, payload, lay)
@@ -193,17 +193,18 @@ class BoundaryEncoder(_Side):
         ef = self.cfg.error_feedback
         base = None
         if self.buffers is not None:
-            base = self.buffers.gather(sample_ids, x.shape[1:])
+            base = self.buffers.gather(sample_ids, x.shape[1:], device=x.device)
             msg = x.float() - base
         elif ef in ("ef", "ef_mixed"):
-            msg = x.float() + self.state.get(x.shape)
+            msg = x.float() + self.state.get(x.shape, x.device)
         elif ef == "ef21":
-            msg = x.float() - self.state.get(x.shape)
+            msg = x.float() - self.state.get(x.shape, x.device)
         else:
             msg = x
         if ef == "ef_mixed" and indices is None:
             B = x.shape[0]
-            indices = mixed_topk_indices(x.reshape(B, -1), self.state.get(x.shape).view(B, -1), lay.k)
+            e = self.state.get(x.shape, x.device)
+            indices = mixed_topk_indices(x.reshape(B, -1), e.view(B, -1), lay.k)
         full = encode_into(self.cfg, msg.to(x.dtype), payload, lay, indices=indices)
         self.last_indices = full
         if self._finish(payload, lay, t0, account=False) and (ef != "none" or base is not None):
@@ -281,10 +282,11 @@ class BoundaryDecoder(_Side):
         mode = self._mode(training, uncompressed)
         lay = self._layout(shape, dtype, mode)
         if out is None:
-            out = torch.empty(lay.shape, dtype=dtype)
-        elif tuple(out.shape) != lay.shape or out.dtype != dtype or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous {dtype} tensor of shape {lay.shape}, got {out.dtype} "
-                             f"{tuple(out.shape)}")
+            out = torch.empty(lay.shape, dtype=dtype, device=payload.device)
+        elif (tuple(out.shape) != lay.shape or out.dtype != dtype or not out.is_contiguous()
+              or out.device != payload.device):
+            raise ValueError(f"out must be a contiguous {dtype} tensor of shape {lay.shape} on the payload's "
+                             f"device {payload.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
         if lay.values_only and indices is None and mode != "raw":
             raise ValueError(f"{self.name}: TopK gradients carry values only: pass the activation's indices=")
         if payload.dtype != torch.uint8 or payload.numel() != lay.nbytes:
@@ -310,10 +312,10 @@ class BoundaryDecoder(_Side):
         else:
             dec, self.last_indices = self._decoded_f32(payload, lay, indices)
             if self.buffers is not None:
-                full = self.buffers.gather(sample_ids, shape[1:]) + dec
+                full = self.buffers.gather(sample_ids, shape[1:], device=dec.device) + dec
                 self.buffers.scatter(sample_ids, full)
             else:
-                g = self.state.get(lay.shape)
+                g = self.state.get(lay.shape, payload.device)
                 g += dec
                 full = g
             out.copy_(full)

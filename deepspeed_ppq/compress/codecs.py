@@ -208,7 +208,7 @@ def encode_into(
     x2 = x.view(B, L)
     values = _section(payload, lay.sec[0], x.dtype).view(B, k)
     if indices is None:
-        indices = torch.empty(B, k, dtype=torch.int64)
+        indices = torch.empty(B, k, dtype=torch.int64, device=x.device)
         ops.topk_encode(x2, k, values, indices, status)
     else:
         if tuple(indices.shape) != (B, k):
@@ -270,7 +270,7 @@ def decode_from(
         if tuple(indices.shape) != (B, k):
             raise ValueError(f"indices shape {tuple(indices.shape)} does not match [B, K]=[{B}, {k}]")
     else:
-        indices = torch.empty(B, k, dtype=torch.int64)
+        indices = torch.empty(B, k, dtype=torch.int64, device=payload.device)
         ops.unpack_bits(_section(payload, lay.sec[1]), lay.idx_bits, indices)
     ops.topk_decode(values, indices, out.view(B, lay.cols))
     return indices

@@ -27,10 +27,12 @@ class FeedbackState:
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
 
-    def get(self, shape) -> torch.Tensor:
+    def get(self, shape, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The buffer for a message of ``shape`` on ``device`` (zeros when the shape or device changed)."""
         shape = tuple(shape)
-        if self.buf is None or tuple(self.buf.shape) != shape:
-            self.buf = torch.zeros(shape, dtype=torch.float32)
+        device = torch.device(device)
+        if self.buf is None or tuple(self.buf.shape) != shape or self.buf.device != device:
+            self.buf = torch.zeros(shape, dtype=torch.float32, device=device)
         return self.buf
 
     def reset(self) -> None:
@@ -43,8 +45,9 @@ def mixed_topk_indices(x: torch.Tensor, e: torch.Tensor, k: int) -> torch.Tensor
     B, L = x.shape
     k1 = (k + 1) // 2
     k2 = k - k1
-    s1 = torch.empty(B, k1, dtype=torch.int64)
-    ignored = torch.empty(B, k1, dtype=x.dtype), torch.empty(1, dtype=torch.uint8)
+    s1 = torch.empty(B, k1, dtype=torch.int64, device=x.device)
+    ignored = (torch.empty(B, k1, dtype=x.dtype, device=x.device),
+               torch.empty(1, dtype=torch.uint8, device=x.device))
     ops.topk_encode(x.contiguous(), k1, ignored[0], s1, ignored[1])
     if k2 == 0:
         return s1

@@ -95,7 +95,7 @@ def pack_codes_reference(q: torch.Tensor, bits: int) -> torch.Tensor:
     if pad:
         q = F.pad(q, (0, pad))
     q = q.view(-1, per)
-    shifts = torch.arange(per, dtype=torch.int32) * bits
+    shifts = torch.arange(per, dtype=torch.int32, device=q.device) * bits
     word = (q << shifts).sum(1, dtype=torch.int32)
     if bits == 6:
         out = torch.stack([word & 255, (word >> 8) & 255, (word >> 16) & 255], 1).reshape(-1)
@@ -118,7 +118,7 @@ def unpack_codes_reference(packed: torch.Tensor, bits: int, n: int) -> torch.Ten
         word = p[:, 0] | (p[:, 1] << 8) | (p[:, 2] << 16)
     else:
         word = p
-    shifts = torch.arange(per, dtype=torch.int32) * bits
+    shifts = torch.arange(per, dtype=torch.int32, device=word.device) * bits
     q = (word[:, None] >> shifts) & ((1 << bits) - 1)
     return q.reshape(-1)[:n]
 
@@ -150,7 +150,7 @@ def _quant_decode_ref(codes, mins, scales, group, bits, out):
     R, d = out.shape
     ng = _ngroups(d, group)
     q = unpack_codes_reference(codes, bits, R * d).view(R, d)
-    gidx = torch.arange(d) // group  # group of each column
+    gidx = torch.arange(d, device=out.device) // group  # group of each column
     mn = mins.view(R, ng).double()[:, gidx]
     sc = scales.view(R, ng).double()[:, gidx]
     out.copy_((q.double() * sc + mn).float())
@@ -200,7 +200,7 @@ def _fp8_decode_ref(codes, scales, group, fmt, out):
     R, d = out.shape
     dt, _ = FP8_FORMATS[fmt]
     ng = _ngroups(d, group)
-    gidx = torch.arange(d) // group
+    gidx = torch.arange(d, device=out.device) // group
     v = codes.view(dt).float().view(R, d)
     out.copy_(v * scales.view(R, ng)[:, gidx])
 
@@ -253,18 +253,20 @@ topk_decode = define_op(
 
 def _pack_bits_ref(idx, bits, out):
     v = idx.reshape(-1).to(torch.int64)
-    b = ((v[:, None] >> torch.arange(bits)) & 1).reshape(-1)
+    b = ((v[:, None] >> torch.arange(bits, device=v.device)) & 1).reshape(-1)
     pad = (-b.numel()) % 8
     if pad:
         b = F.pad(b, (0, pad))
-    byte = (b.view(-1, 8) << torch.arange(8)).sum(1)
+    byte = (b.view(-1, 8) << torch.arange(8, device=b.device)).sum(1)
     out.copy_(byte.to(torch.uint8))
 
 
 def _unpack_bits_ref(packed, bits, out):
     n = out.numel()
-    b = ((packed.reshape(-1).to(torch.int64)[:, None] >> torch.arange(8)) & 1).reshape(-1)[: n * bits]
-    v = (b.view(n, bits) << torch.arange(bits)).sum(1)
+    dev = packed.device
+    b = (packed.reshape(-1).to(torch.int64)[:, None] >> torch.arange(8, device=dev)) & 1
+    b = b.reshape(-1)[: n * bits]
+    v = (b.view(n, bits) << torch.arange(bits, device=dev)).sum(1)
     out.copy_(v.view(out.shape))
 
 

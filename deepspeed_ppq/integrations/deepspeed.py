@@ -285,7 +285,7 @@ class PPQPipelineEngine(PipelineEngine):
                 continue
             enc = self._encoder("act", idx)
             t0 = time.perf_counter()
-            payload = enc.encode(t.detach(), sample_ids=ids, **mode).to(self.device)
+            payload = enc.encode(t.detach(), sample_ids=ids, **mode)
             stats["encode_s"] += time.perf_counter() - t0
             kept[idx] = enc.last_indices
             self._check_flag(enc, "act", self.stage_id, idx, sender=True)
@@ -348,7 +348,7 @@ class PPQPipelineEngine(PipelineEngine):
                                    "has no gradient to send back")
             enc = self._encoder("grad", idx)
             t0 = time.perf_counter()
-            payload = enc.encode(t.grad, indices=kept.get(idx) if reuse else None, **mode).to(self.device)
+            payload = enc.encode(t.grad, indices=kept.get(idx) if reuse else None, **mode)
             stats["encode_s"] += time.perf_counter() - t0
             self._check_flag(enc, "grad", b, idx, sender=True)
             p2p.send(payload, self.prev_stage)
