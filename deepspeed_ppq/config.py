@@ -89,6 +89,11 @@ class WeightsConfig(_Model):
     mode: Literal["train", "frozen"] = Field(
         "train", description="train: low-bit compute copy + fp32 master; frozen: low-bit base + LoRA"
     )
+    master: Literal["fp32", "none"] = Field(
+        "fp32",
+        description="train mode: 'fp32' keeps an fp32 master weight; 'none' keeps only the low-bit codes and "
+        "updates them with stochastic rounding (int8 and fp8 formats)",
+    )
     lora_rank: int = Field(8, ge=1)
     lora_alpha: float = Field(16.0, gt=0)
     keep_first_blocks: int = Field(1, ge=0, description="first N transformer blocks stay high precision")
@@ -102,6 +107,20 @@ class WeightsConfig(_Model):
         if v < 16 or v > 4096 or v & (v - 1):
             raise ValueError(f"block_size={v} is not allowed: use a power of two in [16, 4096]")
         return v
+
+    @model_validator(mode="after")
+    def _master_free_needs_8bit(self) -> WeightsConfig:
+        if self.master == "none":
+            if self.mode != "train":
+                raise ValueError(f"master='none' is a train-mode option (got mode={self.mode!r})")
+            bad = [f for f in [self.format, *(r.format for r in self.rules)]
+                   if f in (WeightFormat.int4, WeightFormat.nf4)]
+            if bad:
+                raise ValueError(
+                    f"master='none' needs 8-bit codes (int8, fp8_e4m3, fp8_e5m2), got {bad[0].value!r}: "
+                    "a 4-bit grid loses most updates even with stochastic rounding; use master='fp32'"
+                )
+        return self
 
 
 class CodecConfig(_Model):
