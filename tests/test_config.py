@@ -39,7 +39,8 @@ def test_whole_deepspeed_config_is_unwrapped(tmp_path):
          r"ef_mixed.*needs method='topk'"),
         ({"gradients": {"error_feedback": "ef"}}, r"error_feedback='ef' needs a compressing method"),
         ({"weights": {"format": "nf4", "master": "none"}}, r"master='none' needs 8-bit codes .* got 'nf4'"),
-        ({"weights": {"format": "int8", "master": "none", "mode": "frozen"}}, r"master='none' is a train-mode"),
+        ({"weights": {"format": "int8", "master": "none", "mode": "frozen"}},
+         r"master='none' is a train-mode"),
     ],
 )
 def test_bad_config_names_field_value_and_fix(bad, message):
