@@ -63,19 +63,27 @@ def _cases() -> list[dict]:
 
 
 def _wire_theory(ppq: dict, direction: str, tuple_act: bool, boundary: int) -> tuple[int, int]:
-    """(messages, bytes) the codec's theory says one boundary carries over the whole run."""
+    """(messages, bytes) the codec's theory says one boundary carries over the whole run: compressed
+    training steps at ``payload_nbytes``; warm-up steps, codec ``none`` and raw evaluation through
+    DeepSpeed's own path at the tensor's bytes; AQ-SGD warm-up through the codec raw (plus its header)."""
     cfg = load_ppq_config(ppq)
     codec = cfg.activations if direction == "act" else cfg.gradients
     shape = (MB, T, D)
+    raw = math.prod(shape) * 4
     n_float = 2 if tuple_act and boundary == 0 else 1
     values_only = direction == "grad" and codec.method == "topk" and codec.reuse_indices
-    per_train = payload_nbytes(codec, shape, torch.float32, values_only=values_only)
-    steps = STEPS - cfg.warmup_steps
-    msgs = steps * GAS * n_float
-    total = msgs * per_train
-    if direction == "act" and codec.eval_compressed:
+    per_train = payload_nbytes(codec, shape, torch.float32, values_only=values_only) if codec.enabled else raw
+    per_codec_raw = payload_nbytes(load_ppq_config({}).activations, shape, torch.float32)  # header + raw
+    warm = min(cfg.warmup_steps, STEPS)
+    aq_warm = min(max(cfg.aqsgd.warmup_steps - warm, 0), STEPS - warm) if cfg.aqsgd.enabled and \
+        direction == "act" else 0
+    per_msg = [raw] * warm + [per_codec_raw] * aq_warm + [per_train] * (STEPS - warm - aq_warm)
+    msgs = STEPS * GAS * n_float
+    total = sum(per_msg) * GAS * n_float
+    if direction == "act":  # one evaluation batch
         msgs += GAS * n_float
-        total += GAS * n_float * payload_nbytes(codec, shape, torch.float32)
+        per_eval = payload_nbytes(codec, shape, torch.float32) if codec.eval_compressed else raw
+        total += GAS * n_float * per_eval
     return msgs, total
 
 
@@ -85,7 +93,10 @@ def _check_world(results: list[dict], world: int) -> None:
             stock = res["stock" if base == "none" else "stock_tuple"]
             assert res[base]["losses"] == stock["losses"], (rank, base)  # bit-identical to DeepSpeed
             assert res[base]["eval_loss"] == stock["eval_loss"]
-            assert all(s["wire_bytes"] == 0 for s in res[base]["stats"].values())
+            for key, s in res[base]["stats"].items():  # measured on DeepSpeed's own send path
+                b, d = key.split(".")
+                msgs, total = _wire_theory({}, d, base == "none_tuple", int(b))
+                assert (s["messages"], s["wire_bytes"], s["raw_bytes"]) == (msgs, total, total), (rank, key)
         for name, (ppq, tol, tuple_act) in CODEC_CASES.items():
             r = res[name]
             assert r["grad_steps"] == STEPS and r["stage_params"] > 0, (rank, name)

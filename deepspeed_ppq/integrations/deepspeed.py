@@ -261,9 +261,23 @@ class PPQPipelineEngine(PipelineEngine):
         return self._aqsgd and self.module.training
 
     # ------------------------------------------------------------- activations
+    def _count_uncompressed(self, boundary: int, direction: str, tensors) -> None:
+        """Count what DeepSpeed's own send path puts on the wire (codec ``none``, warm-up, raw evaluation),
+        so an uncompressed baseline's bytes are measured by the same counters."""
+        stats = self._stats[(boundary, direction)]
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            if t.is_floating_point():
+                stats["raw_bytes"] += n
+                stats["wire_bytes"] += n
+                stats["messages"] += 1
+            else:
+                stats["side_bytes"] += n
+
     def _exec_send_activations(self, buffer_id):
         mode = self._codec_mode("act")
         if mode is None:
+            self._count_uncompressed(self.stage_id, "act", _as_tuple(self.pipe_buffers["outputs"][buffer_id]))
             return super()._exec_send_activations(buffer_id)
         outputs = self.pipe_buffers["outputs"][buffer_id]
         if self.dynamic_shape or self.first_output_send:
@@ -334,6 +348,9 @@ class PPQPipelineEngine(PipelineEngine):
     def _exec_send_grads(self, buffer_id):
         mode = self._codec_mode("grad")
         if mode is None:
+            inputs = _as_tuple(self.pipe_buffers["inputs"][buffer_id])
+            self._count_uncompressed(self.stage_id - 1, "grad",
+                                     [t.grad for t in inputs if t.is_floating_point() and t.grad is not None])
             return super()._exec_send_grads(buffer_id)
         inputs = self.pipe_buffers["inputs"][buffer_id]
         b = self.stage_id - 1
@@ -442,7 +459,10 @@ class PPQPipelineEngine(PipelineEngine):
 
     def ppq_stats(self, all_stages: bool = False) -> dict[tuple[int, str], dict[str, float]]:
         """Counters per ``(boundary, "act" | "grad")``: raw and on-wire bytes, side-channel bytes
-        (sample ids, integer tensors), messages, encode and decode seconds.
+        (sample ids, integer tensors), messages, encode and decode seconds. Messages that go through
+        DeepSpeed's own path (codec ``none``, ``ppq.warmup_steps``, evaluation without
+        ``eval_compressed``) are counted too, with on-wire bytes equal to raw bytes, so an uncompressed
+        baseline's traffic is measured, not computed.
 
         Args:
             all_stages: sum over the pipeline group (a collective: every stage must call it); without
