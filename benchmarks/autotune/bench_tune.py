@@ -47,7 +47,10 @@ def _check(run: dict, plan: dict, budget: int) -> None:
             raise SystemExit(f"stage {st['stage']} ran layers {st['layers']}, planned {bounds}")
         meas = sum(v for k, v in st["measured_memory"].items() if k != "cuda_max_allocated")
         if meas > 1.1 * budget:
-            raise SystemExit(f"stage {st['stage']} held {meas} B, budget {budget} B")
+            raise SystemExit(
+                f"stage {st['stage']} held {meas} B, budget {budget} B: measured {st['measured_memory']}, "
+                f"predicted {st['predicted_memory']}, plan {plan['micro_batch_size']} x {plan['num_microbatches']}"
+            )
 
 
 def main() -> None:

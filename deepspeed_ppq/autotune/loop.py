@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 import statistics
 import time
@@ -408,8 +409,6 @@ def _calibrate(problem: PlanningProblem, runs: list[tuple[Plan, dict]]) -> dict:
     optimizer cost per parameter is refit from the measured optimizer steps. What is left of the first
     run's step time, if positive, is spread per micro-batch slot (``m + p - 1``). The measured link is
     kept (on a busy machine its latency is mostly the peer's wake-up)."""
-    from deepspeed_ppq.autotune.costs import NO_CODEC
-    from deepspeed_ppq.autotune.planner import Knobs, StageChoice, evaluate_stages
 
     xs, ys, opt = [], [], []
     for plan, run in runs:
@@ -438,13 +437,7 @@ def _calibrate(problem: PlanningProblem, runs: list[tuple[Plan, dict]]) -> dict:
     if opt:
         problem.optimizer_s_per_param = statistics.median(opt)
     problem.microbatch_overhead_s = fixed
-    base, run = runs[0]
-    m, b = base.num_microbatches, base.micro_batch_size
-    k = Knobs(base.pipeline_degree, b, m, base.schedule, NO_CODEC, NO_CODEC, False)
-    stages = [StageChoice(*sp.layers, "none", sp.recompute) for sp in base.stages]
-    pred = evaluate_stages(problem, k, stages)["step_time"]
-    residual = max(0.0, (run["measured_step_time"] - pred) / (m + base.pipeline_degree - 1))
-    problem.microbatch_overhead_s += residual
+    residual = _fit_link_and_slots(problem, runs)
     return {
         "link_latency_s": problem.link.latency_s,
         "time_scale": scale,
@@ -454,6 +447,74 @@ def _calibrate(problem: PlanningProblem, runs: list[tuple[Plan, dict]]) -> dict:
         "microbatch_overhead_s": problem.microbatch_overhead_s,
         "points": [[x, y] for x, y in zip(xs, ys)],
     }
+
+
+def _fit_link_and_slots(problem: PlanningProblem, runs: list[tuple[Plan, dict]]) -> float:
+    """Refit the link latency and a cost per micro-batch slot to the measured step times.
+
+    After the compute refit, each run's predicted step time is linear in the link latency ``lat``
+    (``P0 + n * lat``, ``n`` the messages on the critical path) and the model leaves out a cost ``c``
+    per micro-batch slot (``m + p - 1``: synchronisation the profile cannot see). With two runs at
+    different micro-batch counts both are fitted (non-negative least squares over the candidates: both,
+    latency only, slot cost only); with one run the measured latency is kept and ``c`` takes the
+    positive remainder. Returns ``c`` (also added to ``problem.microbatch_overhead_s``)."""
+    import dataclasses
+
+    from deepspeed_ppq.autotune.costs import NO_CODEC
+    from deepspeed_ppq.autotune.planner import Knobs, StageChoice, evaluate_stages
+
+    def predicted(plan: Plan, latency: float) -> float:
+        saved = problem.link
+        problem.link = dataclasses.replace(saved, latency_s=latency)
+        try:
+            k = Knobs(
+                plan.pipeline_degree,
+                plan.micro_batch_size,
+                plan.num_microbatches,
+                plan.schedule,
+                NO_CODEC,
+                NO_CODEC,
+                False,
+            )
+            stages = [StageChoice(*sp.layers, "none", sp.recompute) for sp in plan.stages]
+            return evaluate_stages(problem, k, stages)["step_time"]
+        finally:
+            problem.link = saved
+
+    lat0 = problem.link.latency_s
+    rows = []  # (n, slots, measured - P0)
+    for plan, run in runs:
+        p0 = predicted(plan, 0.0)
+        n = (predicted(plan, 1e-3) - p0) / 1e-3
+        rows.append((n, plan.num_microbatches + plan.pipeline_degree - 1, run["measured_step_time"] - p0))
+    best = (float("inf"), lat0, 0.0)
+    cands = []
+    if len(rows) >= 2:
+        (n1, s1, r1), (n2, s2, r2) = rows[:2]
+        det = n1 * s2 - n2 * s1
+        if abs(det) > 1e-12:
+            cands.append(((r1 * s2 - r2 * s1) / det, (n1 * r2 - n2 * r1) / det))
+        nn = sum(n * n for n, _, _ in rows)
+        ss = sum(sl * sl for _, sl, _ in rows)
+        if nn > 0:
+            cands.append((sum(n * r for n, _, r in rows) / nn, 0.0))
+        if ss > 0:
+            cands.append((0.0, sum(sl * r for _, sl, r in rows) / ss))
+    else:
+        n, sl, r = rows[0]
+        cands.append((lat0, max(0.0, (r - n * lat0) / sl)))
+    for lat, c in cands:
+        if lat < 0 or c < 0:
+            continue
+        err = sum((n * lat + sl * c - r) ** 2 for n, sl, r in rows)
+        if err < best[0]:
+            best = (err, lat, c)
+    if not math.isfinite(best[0]):  # nothing non-negative fits: keep the measured link, no slot cost
+        best = (0.0, lat0, 0.0)
+    _, lat, c = best
+    problem.link = dataclasses.replace(problem.link, latency_s=lat)
+    problem.microbatch_overhead_s += c
+    return c
 
 
 def _calibration_plan(problem: PlanningProblem, base: Plan) -> Plan | None:

@@ -97,8 +97,9 @@ def _convert(
     return layer, nq, (err2 / norm2) ** 0.5 if norm2 > 0 else 0.0
 
 
-def _saved_bytes(layer: nn.Module, x: torch.Tensor) -> int:
-    """Bytes of the tensors autograd saves during ``layer(x)``, each storage once, parameters excluded."""
+def _saved_bytes(layer: nn.Module, x: torch.Tensor, loss_fn=None, labels=None) -> int:
+    """Bytes of the tensors autograd saves during ``layer(x)`` (and the loss on it, for the last
+    layer), each storage once, parameters excluded."""
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     seen: dict[int, int] = {}
 
@@ -109,7 +110,9 @@ def _saved_bytes(layer: nn.Module, x: torch.Tensor) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x)
+        y = layer(x)
+        if loss_fn is not None:
+            loss_fn(y, labels)
     return sum(seen.values())
 
 
@@ -214,7 +217,7 @@ def profile_layers(
                 rec["times"].setdefault(fmt, {})[b] = t
                 if b == micro_batch_sizes[0]:
                     xin = x.detach().requires_grad_(x.is_floating_point())
-                    rec["saved_bytes"][fmt] = _saved_bytes(mod, xin) // b
+                    rec["saved_bytes"][fmt] = _saved_bytes(mod, xin, loss_fn if last else None, labels) // b
                     led = measure_storage(mod).groups()
                     rec["weight_bytes"][fmt] = led.get("weights", 0) + led.get("buffers", 0)
                     rec["quant_error"][fmt] = err
