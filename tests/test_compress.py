@@ -329,3 +329,34 @@ def test_codecs_follow_the_tensor_device_on_cpu(name):
     cfg, aq = DEVICE_CASES[name]
     payloads, outs = _device_run(cfg, aq, "cpu")
     assert all(p.dtype == torch.uint8 for p in payloads) and all(torch.isfinite(y).all() for y in outs)
+
+
+@pytest.mark.parametrize(
+    "grad_cfg", [CodecConfig(method="quant", bits=4), CodecConfig(method="topk", topk_ratio=0.25)],
+    ids=["quant4", "topk_reuse"])
+def test_aqsgd_warmup_raw_activations_compressed_gradients(grad_cfg):
+    """AQ-SGD warm-up (config.py: ``aqsgd.warmup_steps``): the activation crosses raw and fills the
+    per-sample buffers on both sides; the gradient stays compressed, unless it reuses the activation's
+    TopK indices, which a raw activation does not have (then it goes raw too)."""
+    act_cfg = CodecConfig(method="topk" if grad_cfg.method == "topk" else "quant", bits=2, topk_ratio=0.25)
+    aq = AQSGDConfig(enabled=True)
+    ae, ad = _pair(act_cfg, aqsgd=aq)
+    ge, gd = _pair(grad_cfg, direction="gradients")
+    x = torch.randn(4, 3, 16, requires_grad=True)
+    gy = torch.randn(4, 3, 16)
+    ids = torch.arange(4)
+    y = compressed_boundary(x, ae, ad, ge, gd, sample_ids=ids, activations_uncompressed=True)
+    y.backward(gy)
+    assert torch.equal(y, x)  # raw activation
+    for side in (ae, ad):
+        assert torch.equal(side.buffers.gather(ids, (3, 16)), x.detach())
+    if grad_cfg.method == "topk":
+        assert torch.equal(x.grad, gy) and ge.wire_bytes == payload_nbytes(CodecConfig(), gy.shape, gy.dtype)
+    else:
+        ref_e, ref_d = _pair(grad_cfg, direction="gradients")
+        expect = ref_d.decode(ref_e.encode(gy), gy.shape, gy.dtype)
+        assert torch.equal(x.grad, expect) and not torch.equal(x.grad, gy)
+        assert ge.wire_bytes == payload_nbytes(grad_cfg, gy.shape, gy.dtype)
+    # after warm-up the next message is the compressed change against the filled buffers
+    y2 = compressed_boundary(x.detach() + 0.01, ae, ad, None, None, sample_ids=ids)
+    assert (y2 - (x.detach() + 0.01)).abs().max() < 0.01

@@ -51,6 +51,13 @@ CODEC_CASES = {
     "aqsgd": ({"activations": _q(4), "gradients": _q(8), "aqsgd": {"enabled": True}}, 1e-5, False),
     "tuple_quant8": ({"activations": _q(8), "gradients": _q(8)}, 1e-5, True),
     "warmup_quant4": ({"activations": _q(4), "gradients": _q(4), "warmup_steps": 1}, 1e-5, False),
+    # AQ-SGD warm-up: activations raw while the per-sample buffers fill, gradients compressed (config.py) ...
+    "aqsgd_warmup": ({"activations": _q(2), "gradients": _q(4),
+                      "aqsgd": {"enabled": True, "warmup_steps": 1}}, 1e-5, False),
+    # ... except TopK gradients reusing the activation's indices: a raw activation has none, so raw too
+    "aqsgd_warmup_topk": ({"activations": {"method": "topk", "topk_ratio": 0.25},
+                           "gradients": {"method": "topk", "topk_ratio": 0.25},
+                           "aqsgd": {"enabled": True, "warmup_steps": 1}}, 1e-5, False),
 }
 
 
@@ -76,7 +83,7 @@ def _wire_theory(ppq: dict, direction: str, tuple_act: bool, boundary: int) -> t
     per_codec_raw = payload_nbytes(load_ppq_config({}).activations, shape, torch.float32)  # header + raw
     warm = min(cfg.warmup_steps, STEPS)
     aq_warm = min(max(cfg.aqsgd.warmup_steps - warm, 0), STEPS - warm) if cfg.aqsgd.enabled and \
-        direction == "act" else 0
+        (direction == "act" or values_only) else 0
     per_msg = [raw] * warm + [per_codec_raw] * aq_warm + [per_train] * (STEPS - warm - aq_warm)
     msgs = STEPS * GAS * n_float
     total = sum(per_msg) * GAS * n_float

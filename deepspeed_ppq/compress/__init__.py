@@ -12,7 +12,9 @@ The API the engines (DeepSpeed ``PipelineEngine``, megatron-core P2P) code again
                 uncompressed=False) -> tensor
         .nbytes(...), .last_indices, .last_nonfinite, counters as above
     compressed_boundary(x, act_enc, act_dec, grad_enc, grad_dec, *, sample_ids=None, training=True,
-                        uncompressed=False) -> tensor    # single-process reference (autograd.Function)
+                        uncompressed=False, activations_uncompressed=False) -> tensor
+        # single-process reference (autograd.Function); uncompressed: ppq.warmup_steps (both directions
+        # raw); activations_uncompressed: AQ-SGD warm-up (activations raw, gradients compressed)
     NonFiniteError
 
 Payloads are one flat uint8 tensor of fixed size per (shape, dtype, codec): see ``codecs.py`` for the

@@ -325,15 +325,18 @@ class BoundaryDecoder(_Side):
 
 class _CompressedBoundary(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, act_enc, act_dec, grad_enc, grad_dec, sample_ids, training, uncompressed):
+    def forward(ctx, x, act_enc, act_dec, grad_enc, grad_dec, sample_ids, training, uncompressed,
+                act_uncompressed):
         ctx.grad_sides = (grad_enc, grad_dec)
-        ctx.uncompressed = uncompressed
+        act_raw = uncompressed or act_uncompressed
+        # Gradients that reuse the activation's TopK indices have none to reuse after a raw activation.
+        ctx.uncompressed = uncompressed or (act_raw and grad_enc is not None and grad_enc.values_only)
         if act_enc is None:
             ctx.idx = (None, None)
             return x.clone()
-        payload = act_enc.encode(x, training=training, sample_ids=sample_ids, uncompressed=uncompressed)
+        payload = act_enc.encode(x, training=training, sample_ids=sample_ids, uncompressed=act_raw)
         y = act_dec.decode(payload, x.shape, x.dtype, training=training, sample_ids=sample_ids,
-                           uncompressed=uncompressed)
+                           uncompressed=act_raw)
         ctx.idx = (act_enc.last_indices, act_dec.last_indices)  # (sender kept, receiver decoded)
         return y
 
@@ -341,14 +344,14 @@ class _CompressedBoundary(torch.autograd.Function):
     def backward(ctx, gy):
         grad_enc, grad_dec = ctx.grad_sides
         if grad_enc is None:
-            return gy, None, None, None, None, None, None, None
+            return gy, None, None, None, None, None, None, None, None
         sent, received = ctx.idx
         reuse = grad_enc.values_only and not ctx.uncompressed
         gy = gy.contiguous()
         payload = grad_enc.encode(gy, indices=received if reuse else None, uncompressed=ctx.uncompressed)
         gx = grad_dec.decode(payload, gy.shape, gy.dtype, indices=sent if reuse else None,
                              uncompressed=ctx.uncompressed)
-        return gx, None, None, None, None, None, None, None
+        return gx, None, None, None, None, None, None, None, None
 
 
 def compressed_boundary(
@@ -361,6 +364,7 @@ def compressed_boundary(
     sample_ids=None,
     training: bool = True,
     uncompressed: bool = False,
+    activations_uncompressed: bool = False,
 ) -> torch.Tensor:
     """Single-process reference of one compressed stage boundary.
 
@@ -372,7 +376,10 @@ def compressed_boundary(
         x: the boundary activation.
         sample_ids: dataset indices of the samples in ``x`` (AQ-SGD).
         training: evaluation uses the codec only when ``cfg.eval_compressed``.
-        uncompressed: warm-up step: both directions raw.
+        uncompressed: warm-up step (``ppq.warmup_steps``): both directions raw.
+        activations_uncompressed: AQ-SGD warm-up step (``ppq.aqsgd.warmup_steps``): the activation goes
+            raw (its per-sample buffers fill with the exact values), the gradient stays compressed --
+            except a TopK gradient that reuses the activation's indices, which has none and goes raw too.
 
     Returns:
         The reconstructed activation (differentiable w.r.t. ``x``).
@@ -380,5 +387,5 @@ def compressed_boundary(
     if (act_enc is None) != (act_dec is None) or (grad_enc is None) != (grad_dec is None):
         raise ValueError("compressed_boundary needs both or neither of the encoder/decoder of each direction")
     return _CompressedBoundary.apply(
-        x, act_enc, act_dec, grad_enc, grad_dec, sample_ids, training, uncompressed
+        x, act_enc, act_dec, grad_enc, grad_dec, sample_ids, training, uncompressed, activations_uncompressed
     )

@@ -232,11 +232,18 @@ class PPQPipelineEngine(PipelineEngine):
             return {"training": False, "uncompressed": False} if cfg.eval_compressed else None
         if direction == "act" and self._aqsgd:
             # AQ-SGD fills its per-sample buffers during warm-up, so warm-up goes through the codec raw.
-            warm = max(self.ppq.warmup_steps, self.ppq.aqsgd.warmup_steps)
-            return {"training": True, "uncompressed": self.global_steps < warm}
+            return {"training": True, "uncompressed": self._aqsgd_warm()}
         if self.global_steps < self.ppq.warmup_steps:
             return None
-        return {"training": True, "uncompressed": False}
+        # During AQ-SGD's own warm-up gradients stay compressed (config.py), except TopK gradients that
+        # reuse the activation's indices: a raw activation has none, so they go raw as well (the same
+        # rule as compressed_boundary(activations_uncompressed=True)).
+        raw = self._aqsgd and self._reuse_indices() and self._aqsgd_warm()
+        return {"training": True, "uncompressed": raw}
+
+    def _aqsgd_warm(self) -> bool:
+        """Whether this step's activations go raw to fill AQ-SGD's per-sample buffers."""
+        return self.global_steps < max(self.ppq.warmup_steps, self.ppq.aqsgd.warmup_steps)
 
     # ---------------------------------------------------------------- data path
     def _next_batch(self):

@@ -106,7 +106,13 @@ class Reference:
     def forward(self, x, ids, step: int, training: bool):
         from deepspeed_ppq.compress import compressed_boundary
 
-        compress = step >= self.ppq.warmup_steps and (training or self.ppq.activations.eval_compressed)
+        # The engine's rules: ppq.warmup_steps -> both directions raw (AQ-SGD still fills its buffers,
+        # through the codec); aqsgd.warmup_steps -> activations raw, gradients compressed; evaluation is
+        # compressed when eval_compressed, statelessly.
+        aq = self.ppq.aqsgd
+        warm = training and step < self.ppq.warmup_steps
+        aq_warm = training and aq.enabled and step < max(self.ppq.warmup_steps, aq.warmup_steps)
+        compress = (not warm or aq.enabled) if training else self.ppq.activations.eval_compressed
         h = x
         for i, layer in enumerate(self.model):
             h = layer(h)
@@ -116,7 +122,8 @@ class Reference:
                 for t in hs:
                     if t.is_floating_point():
                         ae, ad, ge, gd = self.codecs[(i + 1, fi)]
-                        t = compressed_boundary(t, ae, ad, ge, gd, sample_ids=ids, training=training)
+                        t = compressed_boundary(t, ae, ad, ge, gd, sample_ids=ids, training=training,
+                                                uncompressed=warm, activations_uncompressed=aq_warm)
                         fi += 1
                     out.append(t)
                 h = out[0] if isinstance(h, torch.Tensor) else tuple(out)
