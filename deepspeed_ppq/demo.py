@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["main", "demo_settings", "run_worker"]
+__all__ = ["main", "demo_settings", "run_worker", "tune", "launch_run", "deepspeed_config_for"]
 
 _COMPUTE = ("ForwardPass", "BackwardPass", "LoadMicroBatch", "OptimizerStep", "ReduceGrads",
             "ReduceTiedGrads")
@@ -208,7 +208,7 @@ def run_worker(job_path: str) -> int:
 # ------------------------------------------------------------------------------------------------
 # Orchestrator
 # ------------------------------------------------------------------------------------------------
-def _launch(job: dict, out: Path, log) -> list[dict]:
+def launch_run(job: dict, out: Path, log) -> list[dict]:
     """Run one job under ``deepspeed --num_gpus <stages> --module deepspeed_ppq.demo worker``."""
     job_path = out / f"job_{job['name']}.json"
     res_dir = out / f"result_{job['name']}"
@@ -246,119 +246,72 @@ def _free_port() -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# Tune: profile each layer, then the autotuner's planner (baseline and tuned plan from one profile)
+# Tune: the autotuner's profiler and planner (baseline and tuned plan from one profile)
 # ------------------------------------------------------------------------------------------------
-def _median_time(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
+_ACT_CODECS = [{"method": "none"}, {"method": "quant", "bits": 8, "granularity": "token"},
+               {"method": "quant", "bits": 4, "granularity": "token"}]  # >= 4 bits: the quality bound
+_GRAD_CODECS = [{"method": "none"}, {"method": "quant", "bits": 8, "granularity": "token"}]  # >= 8 bits
 
 
-def profile_layers(settings: dict, micro_batches: list[int], reps: int = 3) -> list:
-    """Measure every layer of the GPT at each allowed weight format and micro-batch size (one thread).
-
-    Forward and backward seconds (median of ``reps``), activation bytes saved for backward (counted
-    with ``saved_tensors_hooks``), weight storage bytes (``measure_storage``), boundary tensor bytes.
-    Blocks other than the first and last may use int8 (the default precision policy keeps the
-    embedding, the head and the outer blocks in fp32).
-    """
+def _policy_linear_formats(layers, kinds, weights, plan) -> dict[str, str]:
+    """Linear name (``"3.attn.qkv"``) -> format: the precision policy's decision inside every layer
+    the plan puts in a low-bit format (the worker converts exactly these)."""
     import copy
 
+    from torch import nn
+
+    from deepspeed_ppq.quant import plan as policy_plan
+
+    shadow = nn.Sequential(*[copy.deepcopy(layer).to("meta") for layer in layers])  # names "0", "1", ...
+    blocks = [i for i, k in enumerate(kinds) if k == "block"]
+    out = {}
+    for fmt in {f for f in plan.layer_formats if f != "none"}:
+        cfg = weights.model_copy(update={"format": fmt})
+        for d in policy_plan(shadow, cfg, block_layers=blocks, num_blocks=len(blocks)):
+            layer = int(d.name.split(".", 1)[0])
+            if plan.layer_formats[layer] == fmt and d.format.value != "none":
+                out[d.name] = d.format.value
+    return out
+
+
+def tune(settings: dict, budget_mb: float | None, out: Path) -> dict:
+    """Profile (``deepspeed_ppq.autotune.profiler``), then plan the baseline and the tuned pipeline
+    (``autotune.planner``) under one per-stage budget; writes the plans and the profile to ``out``.
+
+    Every layer is timed at the smallest and largest micro-batch size in each weight format the
+    default precision policy allows (int8; the embedding, the head and the outer blocks stay fp32),
+    with one thread as each pipeline rank runs; the codecs within the quality bounds (activations
+    >= 4 bits, gradients >= 8 bits) are timed on a boundary-shaped tensor.
+    """
     import torch
 
-    from deepspeed_ppq.autotune.costs import LayerProfile
-    from deepspeed_ppq.models import GPTConfig, gpt_layers, layer_kinds
-    from deepspeed_ppq.quant import convert_model, measure_storage
+    from deepspeed_ppq.autotune import profiler
+    from deepspeed_ppq.autotune.costs import LinkModel
+    from deepspeed_ppq.autotune.planner import PlanningProblem, baseline_plan, plan_pipeline
+    from deepspeed_ppq.config import WeightsConfig
+    from deepspeed_ppq.data import build_token_datasets
+    from deepspeed_ppq.models import GPTConfig, gpt_layers, gpt_loss, layer_kinds
 
     torch.set_num_threads(1)
     cfg = GPTConfig(**settings["model"])
     layers, kinds = gpt_layers(cfg, settings["seed"]), layer_kinds(cfg)
-    profiles = []
-    for i, (layer, kind) in enumerate(zip(layers, kinds)):
-        allowed = ["none"]
-        if kind == "block" and 1 <= i - 1 < cfg.n_layers - 1:
-            allowed.append("int8")
-        times, wbytes, saved = {}, {}, {}
-        for fmt in allowed:
-            mod = copy.deepcopy(layer)
-            if fmt != "none":
-                convert_model(mod, {"format": fmt, "keep_first_blocks": 0, "keep_last_blocks": 0})
-            wbytes[fmt] = measure_storage(mod)["weights"]
-            times[fmt] = {}
-            for mb in micro_batches:
-                if kind == "embed":
-                    x = torch.randint(0, cfg.vocab_size, (mb, cfg.seq_len))
-                else:
-                    x = torch.randn(mb, cfg.seq_len, cfg.d_model, requires_grad=True)
-                nbytes = [0]
+    train, _, _ = build_token_datasets(seq_len=cfg.seq_len, vocab_size=cfg.vocab_size,
+                                       max_bytes=settings["max_bytes"])
 
-                def pack(t, nbytes=nbytes):
-                    nbytes[0] += t.numel() * t.element_size()
-                    return t
+    def make_batch(b: int):
+        xs, ys = zip(*(train[i] for i in range(b)))
+        return torch.stack(xs), torch.stack(ys)
 
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    y = mod(x)
-                saved[fmt] = nbytes[0] // mb
-                g = torch.randn_like(y)
-                t_f = _median_time(lambda mod=mod, x=x: mod(x), reps)
-                t_fb = _median_time(lambda mod=mod, x=x, g=g: mod(x).backward(g), reps)
-                times[fmt][mb] = [t_f, max(0.0, t_fb - t_f), 0.0]
-        out_numel = cfg.seq_len * (cfg.vocab_size if kind == "head" else cfg.d_model)
-        profiles.append(LayerProfile(
-            name=f"{i}:{type(layer).__name__}", kind=kind,
-            param_numels=[p.numel() for p in layer.parameters()],
-            quantizable_params=sum(m.weight.numel() for m in layer.modules()
-                                   if isinstance(m, torch.nn.Linear)) if len(allowed) > 1 else 0,
-            allowed_formats=allowed, times=times, weight_bytes=wbytes, saved_bytes=saved,
-            input_bytes=cfg.seq_len * (8 if kind == "embed" else 4 * cfg.d_model),
-            output_bytes=4 * out_numel))
-    return profiles
-
-
-def _codec_options(settings: dict) -> tuple[list, list]:
-    """Codec choices within the default quality bounds (activations >= 4 bits, gradients >= 8 bits),
-    with their exact wire ratio and measured codec seconds per byte."""
-    import torch
-
-    from deepspeed_ppq.autotune.costs import NO_CODEC, CodecOption
-    from deepspeed_ppq.compress import BoundaryDecoder, BoundaryEncoder, payload_nbytes
-    from deepspeed_ppq.config import CodecConfig
-
-    m = settings["model"]
-    shape = (4, m["seq_len"], m["d_model"])
-    x = torch.randn(shape)
-    raw = x.numel() * 4
-
-    def option(conf: dict, bits: int) -> CodecOption:
-        cc = CodecConfig(**conf)
-        enc, dec = BoundaryEncoder(cc, name="profile"), BoundaryDecoder(cc, name="profile")
-        te = _median_time(lambda: enc.encode(x), 3)
-        payload = enc.encode(x)
-        td = _median_time(lambda: dec.decode(payload, shape, torch.float32), 3)
-        return CodecOption.make(conf, wire_ratio=payload_nbytes(cc, shape, torch.float32) / raw,
-                                encode_s_per_byte=te / raw, decode_s_per_byte=td / raw, bits=bits)
-
-    acts = [NO_CODEC, option({"method": "quant", "bits": 8, "granularity": "token"}, 8),
-            option({"method": "quant", "bits": 4, "granularity": "token"}, 4)]
-    grads = [NO_CODEC, option({"method": "quant", "bits": 8, "granularity": "token"}, 8)]
-    return acts, grads
-
-
-def tune(settings: dict, budget_mb: float | None, out: Path) -> dict:
-    """Profile, then plan the baseline and the tuned pipeline under one per-stage budget."""
-    from deepspeed_ppq.autotune.costs import LinkModel
-    from deepspeed_ppq.autotune.planner import PlanningProblem, baseline_plan, plan_pipeline
-
+    weights = WeightsConfig()
     mbs = settings["micro_batch_sizes"]
-    profiles = profile_layers(settings, [mbs[0], mbs[-1]])
-    acts, grads = _codec_options(settings)
+    profiles = profiler.profile_layers(layers, kinds, make_batch, gpt_loss, weights, ["int8"],
+                                       [mbs[0], mbs[-1]], reps=3, device="cpu")
+    codecs = profiler.profile_codecs(_ACT_CODECS, (mbs[-1], cfg.seq_len, cfg.d_model), reps=3)
+    by_cfg = {json.dumps(c.as_dict, sort_keys=True): c for c in codecs}
+    grads = [by_cfg[json.dumps(c, sort_keys=True)] for c in _GRAD_CODECS]
     prob = PlanningProblem(layers=profiles, world_size=settings["stages"],
                            global_batch=settings["global_batch"], micro_batch_sizes=mbs,
-                           pipeline_degrees=[settings["stages"]], activation_codecs=acts,
+                           pipeline_degrees=[settings["stages"]], activation_codecs=codecs,
                            gradient_codecs=grads, optimizer_8bit=[False, True], link=LinkModel())
     budget_note = "given with --budget-mb"
     if budget_mb is None:
@@ -371,13 +324,15 @@ def tune(settings: dict, budget_mb: float | None, out: Path) -> dict:
     prob.memory_budget = budget
     base = baseline_plan(prob, "parameters", settings["stages"])
     tuned = plan_pipeline(prob)
+    tuned.linear_formats = _policy_linear_formats(layers, kinds, weights, tuned)
     base.save(out / "plan_baseline.json")
     tuned.save(out / "plan_tuned.json")
     (out / "profile.json").write_text(json.dumps([p.to_dict() for p in profiles], indent=1))
     return {"budget": budget, "budget_note": budget_note, "baseline": base, "tuned": tuned}
 
 
-def _ds_config(plan, settings: dict, baseline: bool) -> dict:
+def deepspeed_config_for(plan, baseline: bool) -> dict:
+    """The DeepSpeed config JSON that runs ``plan`` (``baseline``: stock DeepSpeed partitioning)."""
     cfg = plan.deepspeed_config()
     cfg["steps_per_print"] = 10**6
     if baseline:  # stock DeepSpeed: its own 'parameters' partition, fp32 weights, no codecs
@@ -426,10 +381,10 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("baseline", "tuned"):
                 phases.set_postfix_str(f"train {name}")
                 plan = tuned[name]
-                ds = _ds_config(plan, settings, baseline=name == "baseline")
+                ds = deepspeed_config_for(plan, baseline=name == "baseline")
                 (out / f"ds_{name}.json").write_text(json.dumps(ds, indent=1))
                 job = {"name": name, "ds_config": str(out / f"ds_{name}.json"), **settings}
-                runs[name] = _launch(job, out, log)
+                runs[name] = launch_run(job, out, log)
                 phases.update(1)
     from deepspeed_ppq.plots import write_outputs
 

@@ -8,13 +8,16 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from deepspeed_ppq.demo import demo_settings, main
+from deepspeed_ppq.demo import _policy_linear_formats, demo_settings, main
 from deepspeed_ppq.plots import chrome_trace
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks" / "e2e"))
 
 
 def test_settings_scale_and_bad_input():
@@ -35,6 +38,44 @@ def test_chrome_trace_has_one_track_per_stage():
     assert {e["tid"] for e in spans} == {0, 1}
     assert {e["cat"] for e in spans} == {"compute", "comm"}
     assert spans[0]["dur"] == pytest.approx(1e4)
+
+
+def test_policy_linear_formats_follow_the_plan_and_the_policy():
+    """Only layers the plan puts in int8 get rules, and inside them only what the policy quantizes:
+    the default policy keeps the first and last block (and the embedding and head) in full precision."""
+    from deepspeed_ppq.config import WeightsConfig
+    from deepspeed_ppq.models import GPTConfig, gpt_layers, layer_kinds
+    from deepspeed_ppq.quant import convert_model
+
+    cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=2, n_layers=5)
+    layers, kinds = gpt_layers(cfg, 0), layer_kinds(cfg)  # 0 embed, 1-5 blocks 0-4, 6 head
+    plan = SimpleNamespace(layer_formats=["int8", "int8", "int8", "none", "int8", "int8", "int8"])
+    got = _policy_linear_formats(layers, kinds, WeightsConfig(), plan)
+    # embed, first block (1), last block (5), head: kept by the policy; layer 3: fp32 in the plan
+    assert {n.split(".")[0] for n in got} == {"2", "4"}
+    assert set(got.values()) == {"int8"} and len(got) == 8  # qkv, attn proj, fc, mlp proj in each
+    # The rules the plan renders from them convert exactly those Linear layers of the pipeline's names.
+    model = torch.nn.Sequential(*layers)
+    rules = [{"pattern": n, "format": f} for n, f in got.items()] + [{"pattern": "*", "format": "none"}]
+    convert_model(model, {"format": "int8", "keep_first_blocks": 0, "keep_last_blocks": 0, "rules": rules})
+    assert {n for n, m in model.named_modules() if type(m).__name__ == "QuantLinear"} == set(got)
+
+
+def test_quality_findings_judged_against_seed_noise():
+    from bench_quality import findings, seed_noise
+
+    def row(name, group, compressed, plain=None):
+        return {"name": name, "group": group, "val_loss_compressed": compressed,
+                "val_loss_plain": compressed if plain is None else plain}
+
+    rows = [row("uncompressed", "baseline", 4.00), row("uncompressed seed+1", "seed noise", 4.02),
+            row("uncompressed seed+2", "seed noise", 3.99), row("a4/g8", "bits", 4.01),
+            row("a8/g4", "bits", 4.20), row("top10% reuse", "topk", 4.05, plain=4.06)]
+    assert seed_noise(rows) == pytest.approx(0.02)
+    text = "\n".join(findings(rows))
+    assert "gradients more sensitive" in text and "holds (gap +0.1900 > seed noise 0.0200)" in text
+    assert "same direction, within seed noise (gap +0.0100 <= 0.0200)" in text  # TopK at evaluation
+    assert "TopK10% without index reuse worse" in text and "not measured" in text
 
 
 @pytest.mark.distributed
