@@ -27,7 +27,7 @@ from _common import machine, write  # noqa: E402
 
 from deepspeed_ppq.autotune import autotune  # noqa: E402
 
-BUDGET_MB = 28
+BUDGET_MB = 22
 
 
 def _measured_bubble(run: dict) -> float:
