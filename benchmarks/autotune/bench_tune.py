@@ -49,7 +49,8 @@ def _check(run: dict, plan: dict, budget: int) -> None:
         if meas > 1.1 * budget:
             raise SystemExit(
                 f"stage {st['stage']} held {meas} B, budget {budget} B: measured {st['measured_memory']}, "
-                f"predicted {st['predicted_memory']}, plan {plan['micro_batch_size']} x {plan['num_microbatches']}"
+                f"predicted {st['predicted_memory']}, "
+                f"plan {plan['micro_batch_size']} x {plan['num_microbatches']}"
             )
 
 
