@@ -8,7 +8,9 @@ Three pieces, each checking the installed megatron-core version before it instal
 - ``p2p``: compressed activations and gradients between pipeline stages inside megatron-core's own
   schedules (``PPQP2PCommunicator``);
 - ``layers``: low-bit weights in megatron-core's parallel linear layers, or FP8 primary weights
-  through Transformer Engine.
+  through Transformer Engine;
+- ``optim``: re-quantizes those low-bit weights after every successful megatron-core optimizer step
+  (installed with ``layers``).
 
 In a training script::
 

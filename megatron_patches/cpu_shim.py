@@ -4,10 +4,13 @@ megatron-core assumes CUDA in three places that a CPU run reaches (read in 0.16.
 
 - ``schedules.py`` allocates ``total_num_tokens = torch.zeros([], ..., device="cuda")``;
 - ``P2PCommunicator._communicate`` / ``_communicate_shapes`` allocate on ``torch.cuda.current_device()``;
-- ``_communicate`` calls ``torch.cuda.synchronize()`` when ``batch_p2p_comm`` and ``batch_p2p_sync``.
+- ``_communicate`` calls ``torch.cuda.synchronize()`` when ``batch_p2p_comm`` and ``batch_p2p_sync``;
+- the optimizers (``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``, ``clip_grads``)
+  accept only parameters whose ``tensor.type()`` is ``"torch.cuda.{Float,Half,BFloat16}Tensor"``.
 
 :func:`cpu_shim` rewrites ``device="cuda..."`` keyword arguments to ``"cpu"`` through a
-``TorchFunctionMode`` and replaces ``torch.cuda.current_device``/``synchronize`` for its duration.
+``TorchFunctionMode``, answers ``tensor.type()`` (no arguments) of a CPU floating tensor with the
+CUDA type name, and replaces ``torch.cuda.current_device``/``synchronize`` for its duration.
 It is a test and development aid: production runs on GPUs never enter it.
 
 :func:`seed_cpu_rng_tracker` stands in for ``model_parallel_cuda_manual_seed``: megatron-core's
@@ -34,9 +37,15 @@ def _is_cuda(device) -> bool:
     return isinstance(device, int)  # a bare ordinal means a CUDA device to torch.empty & co
 
 
+_CPU_FLOAT_TYPES = ("torch.FloatTensor", "torch.HalfTensor", "torch.BFloat16Tensor")
+
+
 class _CudaToCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if name in _CPU_FLOAT_TYPES else name
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
         return func(*args, **kwargs)

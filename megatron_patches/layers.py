@@ -7,10 +7,13 @@ Two back ends, chosen by the weight format and the layer implementation:
   replaced by :class:`QuantParallelLinear`, a ``deepspeed_ppq.quant.QuantLinear`` that speaks the
   Megatron linear interface (``forward(x) -> (output, bias)``, ``skip_bias_add``). Tensor parallel
   size 1 only. Parameter names stay ``linear_fc1.weight`` / ``.bias``, so checkpoints keep their
-  keys. The fp32 master weight is the parameter Megatron's optimizer updates; the low-bit compute
-  copy is refreshed lazily, at the first forward after the master changed (its autograd version
-  counter moved), so it works with any optimizer wrapper (Megatron's FP32/Float16/distributed
-  optimizers write into the parameter or the buffer it views, which moves the counter).
+  keys. The master weight is the parameter Megatron's optimizer updates; the low-bit compute copy is
+  re-quantized after every successful optimizer step (``megatron_patches.optim`` wraps megatron-core's
+  optimizer ``step``; ``deepspeed_ppq.quant.optim.requantize_after_step`` does it for plain torch and
+  bitsandbytes optimizers). Neither megatron-core's mixed-precision optimizers (they copy the fp32
+  main params into the model params through ``.data``) nor bitsandbytes' 8-bit optimizers move the
+  parameter's autograd version counter, so the counter is only a safety net: a forward also
+  re-quantizes when it moved (a checkpoint load, an in-place edit by hand).
   The precision policy (``WeightsConfig``: rules, ``keep_first_blocks``/``keep_last_blocks``, norms,
   embeddings and the output layer dense) is applied with the **global** layer number of each
   ``TransformerLayer``, so keeping "the last block" means the model's last one on every stage.
@@ -22,17 +25,26 @@ Two back ends, chosen by the weight format and the layer implementation:
 
 ``install_lowbit_layers(cfg)`` converts every ``TransformerBlock`` as it is built (Megatron-LM's
 ``model_provider`` path); ``convert_megatron_model(model, cfg)`` converts a model you already have.
+Both install the optimizer-step re-quantization (``megatron_patches.optim``).
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.nn.functional as F
 
 from deepspeed_ppq.config import WeightFormat, WeightsConfig
 from deepspeed_ppq.quant.linear import QuantLinear
+
+# The one private name this package takes from deepspeed_ppq.quant (owned by another helper):
+# QuantLinear's autograd function (dequantize in forward and again in backward, straight-through
+# gradient to the master). QuantParallelLinear.forward needs it to return Megatron's (output, bias)
+# pair with skip_bias_add, which QuantLinear.forward cannot. Replace by a public export when quant/
+# offers one.
+from deepspeed_ppq.quant.linear import _DequantLinear as _dequant_linear_fn
 from deepspeed_ppq.quant.policy import LayerDecision, PrecisionPolicy
 
 from ._compat import check_megatron_version
@@ -44,7 +56,16 @@ __all__ = [
     "uninstall_lowbit_layers",
     "te_fp8_settings",
     "te_available",
+    "live_quant_layers",
 ]
+
+# Every QuantParallelLinear alive in this process (the optimizer-step patch looks its layers up here).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def live_quant_layers() -> list:
+    """The :class:`QuantParallelLinear` layers alive in this process."""
+    return list(_LIVE)
 
 
 def te_available() -> tuple[bool, str]:
@@ -79,24 +100,44 @@ class QuantParallelLinear(QuantLinear):
         q.config = layer.config
         q.parallel_kind = type(layer).__name__
         q._seen_version = q.weight._version if q.weight is not None else None
+        q._stale = False
+        _LIVE.add(q)
         return q
 
+    @torch.no_grad()
+    def requantize_(self, source: torch.Tensor | None = None) -> None:
+        """Refresh the low-bit compute copy from the master weight, or from ``source``.
+
+        ``source`` is a more precise copy of the same values (the fp32 main param a bf16 optimizer
+        wrapper keeps for this bf16 parameter), of the weight's shape.
+        """
+        if source is None:
+            super().requantize_()
+        else:
+            if self.mode != "train":
+                raise RuntimeError("QuantParallelLinear.requantize_: a frozen layer has no master weight")
+            self.qweight.requantize_(source.detach())
+            self.quant_version += 1
+        self._seen_version = self.weight._version
+        self._stale = False
+
+    def mark_stale(self) -> None:
+        """Re-quantize at the next forward (the master is updated later, e.g. by a deferred all-gather)."""
+        self._stale = True
+
     def _refresh(self) -> None:
-        """Re-quantize when the optimizer (or a checkpoint load) changed the master weight."""
-        if self.mode == "train" and self.weight._version != self._seen_version:
+        """Re-quantize when marked stale or when the master's version counter moved (safety net)."""
+        if self.mode == "train" and (self._stale or self.weight._version != self._seen_version):
             self.requantize_()
-            self._seen_version = self.weight._version
 
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None):
         if weight is not None:
             raise ValueError(f"{self.parallel_kind} with ppq low-bit weights keeps its own weight; "
                              "skip_weight_param_allocation (an external weight) is not supported")
-        from deepspeed_ppq.quant.linear import _DequantLinear  # QuantLinear's autograd function
-
         self._refresh()
         bias = self.bias if (self.bias is not None and not self.skip_bias_add) else None
-        y = _DequantLinear.apply(input_, self.weight, bias, self)
+        y = _dequant_linear_fn.apply(input_, self.weight, bias, self)
         if self.mode == "frozen":
             y = y + F.linear(F.linear(input_, self.lora_A.to(input_.dtype)),
                              self.lora_B.to(input_.dtype)) * self.lora_scaling
@@ -164,6 +205,10 @@ def convert_megatron_model(model: torch.nn.Module, weights: WeightsConfig | dict
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child,
                     QuantParallelLinear.from_parallel_linear(mod, d.format, weights))
+    if any(d.quantized for d in decisions):
+        from .optim import install_requantize_after_step
+
+        install_requantize_after_step()  # idempotent; the compute copies follow megatron-core's steps
     return decisions
 
 
@@ -175,9 +220,13 @@ def install_lowbit_layers(weights: WeightsConfig | dict, log: list | None = None
 
     Megatron-LM builds the model inside the user's ``model_provider``; patching the block's
     ``__init__`` reaches it without touching the script. The optimizer is built afterwards, so it
-    sees the master weights. ``log``, when given, collects the decisions.
+    sees the master weights; its ``step`` re-quantizes them (``megatron_patches.optim``, installed
+    here too). ``log``, when given, collects the decisions.
     """
     check_megatron_version("low-bit layers")
+    from .optim import install_requantize_after_step
+
+    install_requantize_after_step()
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     weights = WeightsConfig.model_validate(weights) if isinstance(weights, dict) else weights
@@ -194,11 +243,14 @@ def install_lowbit_layers(weights: WeightsConfig | dict, log: list | None = None
 
 
 def uninstall_lowbit_layers() -> None:
-    """Restore ``TransformerBlock.__init__``."""
+    """Restore ``TransformerBlock.__init__`` and megatron-core's optimizer ``step`` methods."""
     from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from .optim import uninstall_requantize_after_step
 
     if "TransformerBlock.__init__" in _SAVED:
         TransformerBlock.__init__ = _SAVED.pop("TransformerBlock.__init__")
+    uninstall_requantize_after_step()
 
 
 def te_fp8_settings(weights: WeightsConfig) -> dict:

@@ -146,7 +146,7 @@ class BoundaryCodecs:
         if training and self.reuse:
             self.sent_indices.append(self.act_send.last_indices)
         self._count("activations", x, payload)
-        return payload.to(x.device)
+        return payload  # the encoder allocates it on x's device
 
     def decode_activation(self, payload, out: torch.Tensor, training: bool) -> None:
         self.act_recv.decode(payload, tuple(out.shape), out.dtype, training=training, out=out)
@@ -157,7 +157,7 @@ class BoundaryCodecs:
         indices = self._pop(self.recv_indices, "received activation") if self.reuse and training else None
         payload = self.grad_send.encode(g.detach().contiguous(), training=training, indices=indices)
         self._count("gradients", g, payload)
-        return payload.to(g.device)
+        return payload
 
     def decode_gradient(self, payload, out: torch.Tensor, training: bool) -> None:
         indices = self._pop(self.sent_indices, "sent activation") if self.reuse and training else None

@@ -1,0 +1,146 @@
+"""Rank script (world size 1): low-bit compute copies follow the optimizer that updates the masters.
+
+Neither bitsandbytes' 8-bit optimizers nor megatron-core's bf16 optimizer move a parameter's autograd
+version counter, so without the step hooks the low-bit copy would stay at the initial weights.
+Reports, per case, whether every QuantParallelLinear's compute copy equals a fresh quantization of
+its master after one step (and that the master really moved), and whether the next forward
+re-quantized again (it should not: the step already did).
+
+argv[1]: "fixed" (the package as shipped) or "unfixed" (the optimizer-step hooks left out, to show
+that the checks fail without them).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from dist_utils import write_result
+
+FMT, BLOCK = "int8", 32
+POLICY = {"format": FMT, "block_size": BLOCK, "keep_first_blocks": 0, "keep_last_blocks": 0}
+
+
+def build_gpt(bf16: bool):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_patches.cpu_shim import seed_cpu_rng_tracker
+
+    seed_cpu_rng_tracker(3)
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                            hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16,
+                            pipeline_dtype=torch.bfloat16 if bf16 else torch.float32)
+    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
+                    max_sequence_length=16, share_embeddings_and_output_weights=False)
+
+
+def batch():
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    return ids, torch.arange(16).expand(2, 16)
+
+
+def quant_layers(model):
+    from megatron_patches.layers import QuantParallelLinear
+
+    return [m for m in model.modules() if isinstance(m, QuantParallelLinear)]
+
+
+def copies_match(layers, masters) -> bool:
+    from deepspeed_ppq.quant.formats import quantize_weight
+
+    return all(torch.equal(quantize_weight(w.detach().float(), FMT, BLOCK).dequantize(torch.float32),
+                           m.dequantized_weight()) for m, w in zip(layers, masters))
+
+
+def case_bnb(fixed: bool) -> dict:
+    """bitsandbytes Adam8bit straight on the converted model's parameters."""
+    import bitsandbytes as bnb
+
+    from deepspeed_ppq.quant.optim import requantize_after_step
+    from megatron_patches.cpu_shim import cpu_shim
+    from megatron_patches.layers import convert_megatron_model
+
+    model = build_gpt(bf16=False)
+    convert_megatron_model(model, POLICY)
+    layers = quant_layers(model)
+    before = [m.weight.detach().clone() for m in layers]
+    opt = bnb.optim.Adam8bit(model.parameters(), lr=1e-2, min_8bit_size=64)
+    if fixed:
+        requantize_after_step(opt, model)
+    ids, pos = batch()
+    with cpu_shim():
+        model(ids, pos, attention_mask=None, labels=ids).float().mean().backward()
+    versions = [m.weight._version for m in layers]
+    opt.step()
+    out = {"layers": len(layers),
+           "master_moved": all(not torch.equal(b, m.weight) for b, m in zip(before, layers)),
+           "version_moved": any(m.weight._version != v for m, v in zip(layers, versions)),
+           "copy_matches_master": copies_match(layers, [m.weight for m in layers])}
+    seen = [m.quant_version for m in layers]
+    with cpu_shim():
+        model(ids, pos, attention_mask=None, labels=ids)
+    out["forward_requantized_again"] = any(m.quant_version != s for m, s in zip(layers, seen))
+    out["copy_matches_after_forward"] = copies_match(layers, [m.weight for m in layers])
+    return out
+
+
+def case_megatron(fixed: bool) -> dict:
+    """megatron-core's own bf16 optimizer (get_megatron_optimizer -> Float16OptimizerWithFloat16Params)
+    on a GPTModel wrapped the way Megatron-LM's get_model wraps it (Float16Module, then DDP)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_patches.cpu_shim import cpu_shim
+    from megatron_patches.layers import convert_megatron_model
+    from megatron_patches.optim import uninstall_requantize_after_step
+
+    model = build_gpt(bf16=True)
+    convert_megatron_model(model, POLICY)
+    if not fixed:
+        uninstall_requantize_after_step()
+    layers = quant_layers(model)
+    with cpu_shim():
+        wrapped = Float16Module(model.config, model)
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), wrapped)
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, clip_grad=1.0),
+                                     [ddp])
+        before = [m.weight.detach().clone() for m in layers]
+        ids, pos = batch()
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        ddp(ids, pos, attention_mask=None, labels=ids).float().mean().backward()
+        ddp.finish_grad_sync()
+        versions = [m.weight._version for m in layers]
+        success, _, _ = opt.step()
+    inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+    mains = {id(p): main for mg, sg in zip(inner.float16_groups, inner.fp32_from_float16_groups)
+             for p, main in zip(mg, sg)}
+    out = {"layers": len(layers), "optimizer": type(opt).__name__, "inner": type(inner).__name__,
+           "success": bool(success), "weight_dtype": str(layers[0].weight.dtype),
+           "master_moved": all(not torch.equal(b, m.weight) for b, m in zip(before, layers)),
+           "version_moved": any(m.weight._version != v for m, v in zip(layers, versions)),
+           "all_have_main": all(id(m.weight) in mains for m in layers),
+           "copy_matches_main": copies_match(layers, [mains.get(id(m.weight), m.weight) for m in layers])}
+    seen = [m.quant_version for m in layers]
+    with cpu_shim():
+        ddp(ids, pos, attention_mask=None, labels=ids)
+    out["forward_requantized_again"] = any(m.quant_version != s for m, s in zip(layers, seen))
+    return out
+
+
+def main() -> None:
+    fixed = sys.argv[1] == "fixed"
+    dist.init_process_group("gloo")
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1)
+    write_result({"bnb": case_bnb(fixed), "megatron": case_megatron(fixed)})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Low-bit compute weights follow the optimizer: bitsandbytes 8-bit and megatron-core's own bf16 optimizer.
+
+Neither moves the parameter's autograd version counter (bnb writes through its kernels,
+megatron-core copies main params into model params through ``.data``), so the lazy version check in
+``QuantParallelLinear`` alone would leave the compute copy at the initial weights. Run by hand with
+``tests/mcore/optim_rank.py unfixed`` (the hooks left out), the ``copy_matches_*`` checks below are
+False; with them, True.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dist_utils import run_ranks
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def optim_result():
+    return run_ranks(HERE / "mcore" / "optim_rank.py", 1, ["fixed"], timeout=300)[0]
+
+
+@pytest.mark.distributed
+def test_bnb_adam8bit_step_requantizes_from_master(optim_result):
+    r = optim_result["bnb"]
+    assert r["layers"] == 8 and r["master_moved"]
+    assert r["copy_matches_master"] is True
+    assert r["copy_matches_after_forward"] is True
+    assert r["forward_requantized_again"] is False  # the step hook did it, the forward does not repeat it
+
+
+@pytest.mark.distributed
+def test_megatron_bf16_optimizer_step_requantizes_from_fp32_main_params(optim_result):
+    r = optim_result["megatron"]
+    assert r["inner"] == "Float16OptimizerWithFloat16Params" and r["weight_dtype"] == "torch.bfloat16"
+    assert r["success"] and r["master_moved"] and r["all_have_main"]
+    assert r["copy_matches_main"] is True
+    assert r["forward_requantized_again"] is False
+
+
+def test_step_wrapping_is_idempotent_and_undone():
+    from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer, MixedPrecisionOptimizer
+
+    from megatron_patches.optim import install_requantize_after_step, uninstall_requantize_after_step
+
+    uninstall_requantize_after_step()  # start from megatron-core's own methods whatever ran before
+    originals = {c: c.__dict__["step"] for c in (ChainedOptimizer, FP32Optimizer, MixedPrecisionOptimizer)}
+    try:
+        names = install_requantize_after_step()
+        assert {"ChainedOptimizer", "FP32Optimizer", "MixedPrecisionOptimizer"} <= set(names)
+        wrapped = {c: c.__dict__["step"] for c in originals}
+        assert install_requantize_after_step() == names  # a second install wraps nothing twice
+        for c, step in wrapped.items():
+            assert step is not originals[c] and step._ppq_original is originals[c]
+            assert c.__dict__["step"] is step
+    finally:
+        uninstall_requantize_after_step()
+    for c, step in originals.items():
+        assert c.__dict__["step"] is step
