@@ -40,6 +40,20 @@ def test_megatron_bf16_optimizer_step_requantizes_from_fp32_main_params(optim_re
     assert r["forward_requantized_again"] is False
 
 
+@pytest.mark.distributed
+def test_megatron_fp32_optimizer_step_requantizes_from_params(optim_result):
+    r = optim_result["fp32"]
+    assert r["optimizer"] == "FP32Optimizer" and r["success"] and r["master_moved"]
+    assert r["copy_matches_master"] is True
+
+
+@pytest.mark.distributed
+def test_step_skipped_for_inf_grads_does_not_requantize(optim_result):
+    r = optim_result["skipped"]
+    assert r["success"] is False and r["master_moved"] is False
+    assert r["requantized"] is False
+
+
 def test_step_wrapping_is_idempotent_and_undone():
     from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer, MixedPrecisionOptimizer
 

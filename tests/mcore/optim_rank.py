@@ -132,13 +132,68 @@ def case_megatron(fixed: bool) -> dict:
     return out
 
 
+def megatron_step(model, opt_cfg, loss_scale_by: float = 1.0):
+    """Wrap like Megatron-LM's get_model, build megatron-core's optimizer, run one step."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_patches.cpu_shim import cpu_shim
+
+    with cpu_shim():
+        wrapped = Float16Module(model.config, model) if model.config.bf16 else model
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), wrapped)
+        opt = get_megatron_optimizer(opt_cfg, [ddp])
+        ids, pos = batch()
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        (ddp(ids, pos, attention_mask=None, labels=ids).float().mean() * loss_scale_by).backward()
+        ddp.finish_grad_sync()
+        success, _, _ = opt.step()
+    return opt, bool(success)
+
+
+def case_fp32_and_skipped() -> dict:
+    """FP32Optimizer re-quantizes from the parameters; a step skipped for inf/nan grads does not."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_patches.layers import convert_megatron_model
+
+    out = {}
+    model = build_gpt(bf16=False)
+    convert_megatron_model(model, POLICY)
+    layers = quant_layers(model)
+    before = [m.weight.detach().clone() for m in layers]
+    opt, success = megatron_step(model, OptimizerConfig(optimizer="adam", lr=1e-2))
+    out["fp32"] = {"optimizer": type(getattr(opt, "chained_optimizers", [opt])[0]).__name__,
+                   "success": success,
+                   "master_moved": all(not torch.equal(b, m.weight) for b, m in zip(before, layers)),
+                   "copy_matches_master": copies_match(layers, [m.weight for m in layers])}
+    model = build_gpt(bf16=True)
+    convert_megatron_model(model, POLICY)
+    layers = quant_layers(model)
+    seen = [m.quant_version for m in layers]
+    before = [m.weight.detach().clone() for m in layers]
+    # a constant loss scale makes the bf16 wrapper check for inf/nan; an inf loss gives inf grads
+    opt, success = megatron_step(model, OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, loss_scale=1.0),
+                                 loss_scale_by=float("inf"))
+    out["skipped"] = {"success": success,  # (Float16Module cast the masters to bf16)
+                      "master_moved": any(not torch.equal(b.to(m.weight.dtype), m.weight)
+                                          for b, m in zip(before, layers)),
+                      "requantized": any(m.quant_version != s for m, s in zip(layers, seen))}
+    return out
+
+
 def main() -> None:
     fixed = sys.argv[1] == "fixed"
     dist.init_process_group("gloo")
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(1, 1)
-    write_result({"bnb": case_bnb(fixed), "megatron": case_megatron(fixed)})
+    out = {"bnb": case_bnb(fixed), "megatron": case_megatron(fixed)}
+    if fixed:
+        out.update(case_fp32_and_skipped())
+    write_result(out)
     dist.destroy_process_group()
 
 
