@@ -110,6 +110,10 @@ class PPQPipelineEngine(PipelineEngine):
             _check_sample_ids(kwargs.get("training_data"), ppq_sample_ids)
         check_codecs(self.ppq)  # on every rank before any communication: no rank waits on a failed one
         super().__init__(*args, **kwargs)
+        if self._config.pipeline.get("recompute_stages") is not None and \
+                self.module.activation_checkpoint_interval > 0:
+            # pipeline.recompute_stages (per stage) replaces activation_checkpoint_interval (all stages)
+            self.module.activation_checkpoint_interval = 0
         self._compressing = self.ppq.activations.enabled or self.ppq.gradients.enabled
         if self._compressing and (self.is_pipe_partitioned or self.has_bool_tensors):
             raise NotImplementedError(
@@ -547,29 +551,108 @@ def _resolve_ds_config(args, config, config_params) -> dict:
     return load_ds_config(config)
 
 
+def _prepare_model(model, ppq: PPQConfig, ds_config: dict, optimizer, model_parameters, block_layers,
+                   recompute_stages, recompute_layers) -> None:
+    """Apply ``ppq.weights`` (unless the model already holds ``QuantLinear`` layers) and per-stage
+    recomputation to ``model`` before DeepSpeed sees its parameters."""
+    from deepspeed_ppq.integrations.stage import (
+        apply_recompute,
+        apply_weights,
+        infer_block_layers,
+        recompute_flags,
+    )
+    from deepspeed_ppq.quant import QuantLinear, convert_model
+
+    is_pipe = isinstance(model, PipelineModule)
+    if is_pipe and block_layers is None:
+        block_layers = getattr(model, "block_layers", None) or infer_block_layers(model._layer_specs)
+    already = any(isinstance(m, QuantLinear) for m in model.modules())
+    w = ppq.weights
+    if not already and (w.format.value != "none" or w.rules):
+        if is_pipe:
+            apply_weights(model, w, block_layers)
+        else:
+            convert_model(model, w, **({} if block_layers is None else {"block_layers": block_layers}))
+        _check_params_live(model, optimizer, model_parameters, w.format.value)
+    if recompute_stages is None and recompute_layers is None:
+        recompute_stages = (ds_config.get("pipeline") or {}).get("recompute_stages")
+    if recompute_stages is not None or recompute_layers is not None:
+        if not is_pipe:
+            raise PPQConfigError("recompute_stages/recompute_layers apply to a PipelineModule's stages; "
+                                 f"the model is a {type(model).__name__}")
+        flags = recompute_flags(len(model._layer_specs), model.parts, recompute_stages=recompute_stages,
+                                recompute_layers=recompute_layers, block_layers=block_layers)
+        done = set(getattr(model, "ppq_recomputed", [])) | set(apply_recompute(model, flags))
+        model.ppq_recomputed = sorted(done)
+
+
+def _check_params_live(model, optimizer, model_parameters, fmt: str) -> None:
+    """The optimizer (or parameter list) given must hold the parameters of the converted model."""
+    given = []
+    if optimizer is not None and hasattr(optimizer, "param_groups"):
+        given = [p for g in optimizer.param_groups for p in g["params"]]
+    elif isinstance(model_parameters, (list, tuple)):
+        for item in model_parameters:
+            given += list(item["params"]) if isinstance(item, dict) else [item]
+    live = {id(p) for p in model.parameters()}
+    if any(id(p) not in live for p in given):
+        raise PPQConfigError(
+            f"ppq.weights.format={fmt!r} replaced Linear layers whose parameters the given optimizer/"
+            "model_parameters hold: build the optimizer after converting, e.g. PPQPipelineModule(..., "
+            "weights=cfg.weights) or quant.convert_model(model, cfg.weights) first, or let DeepSpeed "
+            "build it from the config's \"optimizer\" section")
+
+
+def _wire_requantize(engine) -> None:
+    """Refresh every train-mode ``QuantLinear`` compute copy after each optimizer step."""
+    from deepspeed_ppq.quant import QuantLinear, requantize_after_step
+
+    module = getattr(engine, "module", None)
+    if module is None or engine.optimizer is None:
+        return
+    if any(isinstance(m, QuantLinear) and m.mode == "train" for m in module.modules()):
+        engine.ppq_requantize_handle = requantize_after_step(engine, module)
+
+
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, distributed_port: int = 29500, mpu=None, dist_init_required=None,
                collate_fn=None, config=None, mesh_param=None, config_params=None, *,
-               sample_ids: bool | None = None):
+               sample_ids: bool | None = None, block_layers=None, recompute_stages=None,
+               recompute_layers=None, requantize: bool = True):
     """Drop-in for ``deepspeed.initialize`` that honours the config's top-level ``"ppq"`` section.
+
+    Before DeepSpeed sees the model: ``ppq.weights`` converts its ``nn.Linear`` layers (skipped when the
+    model already holds ``QuantLinear`` layers, e.g. a ``PPQPipelineModule`` built with ``weights=``),
+    deciding "first/last N blocks" with global layer indices; the listed stages recompute their block
+    layers. After: train-mode ``QuantLinear`` compute copies are re-quantized after every optimizer step
+    (``quant.requantize_after_step`` on the engine; its handle is ``engine.ppq_requantize_handle``).
 
     Args:
         (as ``deepspeed.initialize``), plus
         sample_ids: the data iterator yields ``(inputs, labels, sample_ids)`` (AQ-SGD needs it when no
             ``training_data`` with 3-tuple items is given).
+        block_layers: global indices of the transformer blocks (default: the module's, or inferred).
+        recompute_stages: ``True``, one bool per stage, or stage indices; default: the DeepSpeed config's
+            ``pipeline.recompute_stages`` (stage indices, as the autotuner writes them), which then also
+            turns DeepSpeed's ``activation_checkpoint_interval`` off (it is one value for all stages).
+        recompute_layers: one bool per global layer instead.
+        requantize: wire the re-quantization hook (set False if you call ``requantize_after_step`` yourself).
 
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)`` as ``deepspeed.initialize``; for a
         ``PipelineModule`` the engine is a ``PPQPipelineEngine``.
 
     Raises:
-        PPQConfigError: a bad ``"ppq"`` section, explicit boundaries the module was not built with, or
-            AQ-SGD without sample indices.
+        PPQConfigError: a bad ``"ppq"`` section, explicit boundaries the module was not built with,
+            AQ-SGD without sample indices, or an optimizer built before ``ppq.weights`` replaced layers.
     """
     import deepspeed
 
     ds_config = _resolve_ds_config(args, config, config_params)
     ppq = load_ppq_config(ds_config.get("ppq"))
+    if model is not None:
+        _prepare_model(model, ppq, ds_config, optimizer, model_parameters, block_layers, recompute_stages,
+                       recompute_layers)
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
         config = None  # deepspeed.initialize reads it from args again
     else:
@@ -582,7 +665,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         if ppq.activations.enabled or ppq.gradients.enabled:
             warnings.warn("ppq.activations/gradients compression applies to pipeline stages only; "
                           "the model is not a PipelineModule", stacklevel=2)
-        return deepspeed.initialize(mpu=mpu, **common)
+        out = deepspeed.initialize(mpu=mpu, **common)
+        if requantize:
+            _wire_requantize(out[0])
+        return out
     if ppq.partition.method == "explicit" and list(model.parts) != list(ppq.partition.boundaries):
         raise PPQConfigError(
             f"ppq.partition.boundaries={ppq.partition.boundaries} but the model was partitioned as "
@@ -594,6 +680,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     saved = deepspeed.PipelineEngine
     deepspeed.PipelineEngine = engine_cls  # deepspeed.initialize looks the class up in its module globals
     try:
-        return deepspeed.initialize(mpu=mpu, **common)
+        out = deepspeed.initialize(mpu=mpu, **common)
     finally:
         deepspeed.PipelineEngine = saved
+    if requantize:
+        _wire_requantize(out[0])
+    return out

@@ -1,9 +1,28 @@
-"""A ``PipelineModule`` whose stage boundaries can be given explicitly.
+"""A ``PipelineModule`` with explicit stage boundaries, low-bit weights and per-stage recomputation.
 
 DeepSpeed 0.19.8 partitions layers by ``uniform``, ``parameters`` or ``type:<regex>`` only; the
 planner (and users) want exact cuts such as ``[0, 3, 10]``. ``PipelineModule.__init__`` calls
 ``self._partition_layers(method)`` before it builds the local layers, so overriding that one method
 is enough: set ``self.parts`` and the stage's bounds, exactly as the stock methods do.
+
+API (what the demo and the autotuner call)::
+
+    module = PPQPipelineModule(
+        layers, num_stages=2, boundaries=[0, 3, 6], loss_fn=loss,
+        weights=WeightsConfig(format="int8"),   # ppq.weights, applied to this stage's Linear layers
+        block_layers=[1, 2, 3, 4],               # GLOBAL indices of the transformer blocks (inferred:
+                                                 #   the most frequent layer type, see stage.py)
+        recompute_stages=[True, False],          # or True, or stage indices [0], or
+        # recompute_layers=[False, True, ...],   # one flag per global layer
+    )
+    # or, from a whole DeepSpeed config / "ppq" section (partition + weights):
+    module = PPQPipelineModule.from_config(layers, 2, ds_config, loss_fn=loss, recompute_stages=[0])
+
+``module.ppq_quantized`` lists this stage's layers that became ``QuantLinear`` (global names such as
+``"3.mlp.fc"``: "first/last N blocks" count over the whole model), ``module.ppq_recomputed`` the
+global indices of this stage's layers run under activation checkpointing. Build the optimizer after
+the module (conversion replaces the Linear parameters); ``deepspeed_ppq.initialize`` re-quantizes the
+compute copies after every optimizer step by itself.
 """
 
 from __future__ import annotations
@@ -12,7 +31,13 @@ from collections.abc import Sequence
 
 from deepspeed.pipe import PipelineModule
 
-from deepspeed_ppq.config import PPQConfig, PPQConfigError, load_ppq_config
+from deepspeed_ppq.config import PPQConfig, PPQConfigError, WeightsConfig, load_ppq_config
+from deepspeed_ppq.integrations.stage import (
+    apply_recompute,
+    apply_weights,
+    infer_block_layers,
+    recompute_flags,
+)
 
 __all__ = ["PPQPipelineModule", "check_boundaries"]
 
@@ -56,11 +81,19 @@ class PPQPipelineModule(PipelineModule):
         num_stages: number of pipeline stages.
         boundaries: explicit cuts; stage ``s`` owns layers ``[boundaries[s], boundaries[s+1])``.
             When given, ``partition_method`` defaults to ``"explicit"``.
+        weights: ``ppq.weights`` (``WeightsConfig`` or dict): low-bit storage of this stage's Linear layers
+            under the precision policy, decided with global layer indices.
+        block_layers: global indices of the transformer blocks (default: ``infer_block_layers``).
+        recompute_stages: ``True``, one bool per stage, or stage indices: those stages run their block
+            layers under activation checkpointing.
+        recompute_layers: one bool per global layer instead.
         **kwargs: everything else ``PipelineModule`` takes (``loss_fn``, ``topology``, ...).
     """
 
     def __init__(self, layers, num_stages: int | None = None, *, boundaries: Sequence[int] | None = None,
-                 partition_method: str | None = None, **kwargs):
+                 partition_method: str | None = None, weights: WeightsConfig | dict | None = None,
+                 block_layers: Sequence[int] | None = None, recompute_stages=None, recompute_layers=None,
+                 **kwargs):
         if partition_method is None:
             partition_method = "explicit" if boundaries is not None else "parameters"
         if partition_method.lower() == "explicit" and boundaries is None:
@@ -72,11 +105,21 @@ class PPQPipelineModule(PipelineModule):
             )
         self._ppq_boundaries = None if boundaries is None else list(boundaries)
         super().__init__(layers, num_stages=num_stages, partition_method=partition_method, **kwargs)
+        self.block_layers = list(block_layers) if block_layers is not None else infer_block_layers(
+            self._layer_specs)
+        self.ppq_weights = weights
+        self.ppq_quantized = apply_weights(self, weights, self.block_layers)
+        flags = recompute_flags(len(self._layer_specs), self.parts, recompute_stages=recompute_stages,
+                                recompute_layers=recompute_layers, block_layers=self.block_layers)
+        self.ppq_recomputed = apply_recompute(self, flags)
 
     @classmethod
     def from_config(cls, layers, num_stages: int, config: PPQConfig | dict | str | None, **kwargs):
-        """Build with the partition of a ``"ppq"`` config (or a whole DeepSpeed config containing one)."""
-        part = load_ppq_config(config).partition
+        """Build with the partition and weights of a ``"ppq"`` config (or a whole DeepSpeed config
+        containing one); ``kwargs`` as ``__init__`` (``block_layers``, ``recompute_stages``, ...)."""
+        cfg = load_ppq_config(config)
+        part = cfg.partition
+        kwargs.setdefault("weights", cfg.weights)
         return cls(layers, num_stages, boundaries=part.boundaries, partition_method=part.method, **kwargs)
 
     def _partition_layers(self, method: str = "uniform") -> None:

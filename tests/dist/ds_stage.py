@@ -1,0 +1,108 @@
+"""Rank script: per-stage low-bit weights and recomputation through ``deepspeed_ppq`` vs one process.
+
+Usage (through tests/dist_utils.run_ranks, 2 ranks): ``ds_stage.py``. A small GPT
+(``[embed, 4 blocks, head]``, cut ``[0, 3, 6]``) trains 3 steps in three ways, each against the
+single-process model with the same conversion (``convert_model`` with the same ``block_layers``) and
+a plain torch Adam with ``requantize_after_step``:
+
+* ``module``: ``PPQPipelineModule(weights=int8, recompute_stages=[True, False])``, optimizer built after
+  it, ``deepspeed_ppq.initialize`` wires the re-quantization itself;
+* ``config``: a plain DeepSpeed ``PipelineModule``; ``ppq.weights`` (nf4) and
+  ``pipeline.recompute_stages=[1]`` (with ``activation_checkpoint_interval=1``, as the autotuner writes
+  it) come from the DeepSpeed config; the optimizer is a callable DeepSpeed builds after the conversion;
+* ``stale``: an optimizer built before ``ppq.weights`` replaced the layers is an error.
+"""
+
+from __future__ import annotations
+
+import os
+
+import deepspeed
+import torch
+from deepspeed.pipe import PipelineModule
+from dist_utils import write_result
+
+import deepspeed_ppq
+from deepspeed_ppq.config import WeightsConfig
+from deepspeed_ppq.integrations.pipe_module import PPQPipelineModule
+from deepspeed_ppq.integrations.stage import RecomputedLayer
+from deepspeed_ppq.models.gpt import GPT, GPTConfig, gpt_layers, gpt_loss, layer_kinds
+from deepspeed_ppq.quant import QuantLinear, build_optimizer, convert_model, requantize_after_step
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=4)
+BLOCKS = [i for i, k in enumerate(layer_kinds(CFG)) if k == "block"]
+MB, GAS, STEPS, LR = 2, 2, 3, 1e-2
+DS = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": GAS, "steps_per_print": 10**6,
+      "gradient_clipping": 0.0}  # DeepSpeed clips to 1.0 by default; the reference does not
+
+
+def batches():
+    g = torch.Generator().manual_seed(3)
+    return [[torch.randint(0, CFG.vocab_size, (MB, CFG.seq_len), generator=g) for _ in range(GAS)]
+            for _ in range(STEPS)]
+
+
+def reference(wcfg: WeightsConfig) -> list[float]:
+    model = convert_model(GPT(CFG), wcfg, block_layers=BLOCKS, num_blocks=len(BLOCKS))
+    opt = build_optimizer(model.parameters(), "adam", lr=LR)
+    requantize_after_step(opt, model)
+    losses = []
+    for mbs in batches():
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for b in mbs:
+            loss = gpt_loss(model(b), b)
+            (loss / GAS).backward()
+            total += loss.item()
+        opt.step()
+        losses.append(total / GAS)
+    return losses
+
+
+def train(engine, module) -> dict:
+    losses = [float(engine.train_batch(iter([(b, b) for b in mbs]))) for mbs in batches()]
+    recomputed = [f for f in module.forward_funcs if isinstance(f, RecomputedLayer)]
+    return {
+        "losses": losses,
+        "quantized": sorted(n for n, m in module.named_modules() if isinstance(m, QuantLinear)),
+        "recomputed": list(getattr(module, "ppq_recomputed", [])),
+        "recompute_calls": [f.calls for f in recomputed],
+        "ds_interval": module.activation_checkpoint_interval,
+        "requantize_wired": hasattr(engine, "ppq_requantize_handle"),
+    }
+
+
+def main() -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.set_num_threads(1)
+    out = {"rank": int(os.environ["RANK"])}
+
+    w8 = WeightsConfig(format="int8", keep_first_blocks=1, keep_last_blocks=1)
+    module = PPQPipelineModule(gpt_layers(CFG), 2, boundaries=[0, 3, 6], loss_fn=gpt_loss, weights=w8,
+                               recompute_stages=[True, False])
+    opt = build_optimizer(module.parameters(), "adam", lr=LR)
+    engine, *_ = deepspeed_ppq.initialize(model=module, optimizer=opt, config=DS)
+    out["module"] = train(engine, module)
+    out["module"]["reference"] = reference(w8)
+
+    nf4 = WeightsConfig(format="nf4", keep_first_blocks=1, keep_last_blocks=0)
+    plain = PipelineModule(gpt_layers(CFG), num_stages=2, loss_fn=gpt_loss, partition_method="uniform")
+    cfg = {**DS, "pipeline": {"activation_checkpoint_interval": 1, "recompute_stages": [1]},
+           "ppq": {"weights": nf4.model_dump(mode="json")}}
+    engine, *_ = deepspeed_ppq.initialize(model=plain, config=cfg,
+                                          optimizer=lambda params: torch.optim.Adam(params, lr=LR))
+    out["config"] = train(engine, plain)
+    out["config"]["reference"] = reference(nf4)
+
+    stale = PipelineModule(gpt_layers(CFG), num_stages=2, loss_fn=gpt_loss, partition_method="uniform")
+    early = torch.optim.Adam(stale.parameters(), lr=LR)
+    try:
+        deepspeed_ppq.initialize(model=stale, optimizer=early, config={**DS, "ppq": cfg["ppq"]})
+        out["stale"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        out["stale"] = f"{type(e).__name__}: {e}"
+    write_result(out)
+
+
+if __name__ == "__main__":
+    main()
