@@ -18,6 +18,12 @@ Per-boundary state (EF, EF21, AQ-SGD buffers) lives in one ``BoundaryEncoder``/`
 the indices it chose for the activation in buffer ``i``, stage ``b+1`` keeps the ones it decoded, and the
 gradient for that buffer travels as values only.
 
+Stage options (``initialize``'s ``block_layers``/``recompute_stages``/``recompute_layers``/``requantize``;
+see ``integrations.stage`` and docs/deepspeed.md "API"): ``ppq.weights`` converts each stage's Linear
+layers with global block indices, chosen stages recompute their block layers, and train-mode
+``QuantLinear`` compute copies are re-quantized after every optimizer step. Counters (``ppq_stats``)
+cover DeepSpeed's own uncompressed sends as well, so a baseline's bytes are measured.
+
 Start-up: adjacent stages exchange their codec settings (JSON + SHA-256) and both stop with an error
 naming the differing fields if they disagree. Non-finite values: with ``ppq.nonfinite="error"`` the
 sender flags the payload and raises, the receiver sees the flag and raises too (both name the stage and
