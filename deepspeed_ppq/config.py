@@ -225,6 +225,28 @@ class AutotuneConfig(_Model):
     min_gradient_bits: Literal[2, 4, 6, 8] = 8
     min_activation_bits: Literal[2, 4, 6, 8] = 4
     profile_cache: str | None = None
+    formats: list[WeightFormat] = Field(
+        default_factory=lambda: [WeightFormat.int8],
+        description="low-bit weight formats the planner may use where the precision policy allows",
+    )
+    master_free: bool = Field(
+        False, description="the planner may choose weights.master='none' for 8-bit formats"
+    )
+    activation_codecs: list[CodecConfig] = Field(
+        default_factory=lambda: [CodecConfig()],
+        description="candidate activation codecs (bits >= the minimum)",
+    )
+    gradient_codecs: list[CodecConfig] = Field(
+        default_factory=lambda: [CodecConfig()],
+        description="candidate gradient codecs (bits >= the minimum)",
+    )
+    pipeline_degrees: list[int] | None = Field(
+        None, description="candidate stage counts; None: every divisor of the world size"
+    )
+    optimizer_8bit: bool = Field(True, description="the planner may choose 8-bit Adam states")
+    global_batch: int | None = Field(
+        None, ge=1, description="samples per optimizer step; None: keep the run's"
+    )
 
 
 class PPQConfig(_Model):

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 
 from deepspeed_ppq.config import PPQConfig, PPQConfigError, load_ppq_config
 
@@ -71,7 +71,8 @@ def _walk(model: type[BaseModel], prefix: tuple[str, ...]) -> Iterator[PPQFlag]:
         dest = "ppq_" + "_".join(path)
         desc = field.description or ""
         default = field.get_default(call_default_factory=True)
-        shown = default.value if isinstance(default, enum.Enum) else default
+        # The field's own serializer turns enums and nested models (lists of codecs) into JSON.
+        shown = TypeAdapter(field.annotation).dump_python(default, mode="json")
         help_ = f"{'.'.join(path)}: {desc + '; ' if desc else ''}default {json.dumps(shown)}"
         if ann is bool:
             yield PPQFlag(option, dest, path, "bool", help=help_)
