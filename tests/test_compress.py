@@ -360,3 +360,16 @@ def test_aqsgd_warmup_raw_activations_compressed_gradients(grad_cfg):
     # after warm-up the next message is the compressed change against the filled buffers
     y2 = compressed_boundary(x.detach() + 0.01, ae, ad, None, None, sample_ids=ids)
     assert (y2 - (x.detach() + 0.01)).abs().max() < 0.01
+
+
+def test_encode_into_a_reused_buffer():
+    """``encode(out=...)`` writes the same bytes as a fresh payload (engines reuse one per boundary)."""
+    cfg = CodecConfig(method="quant", bits=4, error_feedback="ef")
+    (e1, _), (e2, _) = _pair(cfg), _pair(cfg)
+    buf = torch.full((e2.nbytes((2, 3, 8), torch.float32),), 255, dtype=torch.uint8)
+    for _ in range(2):  # EF state moves on identically
+        x = torch.randn(2, 3, 8)
+        p = e2.encode(x, out=buf)
+        assert p.data_ptr() == buf.data_ptr() and torch.equal(p, e1.encode(x))
+    with pytest.raises(ValueError, match=r"out must be a contiguous uint8 tensor of \d+ bytes"):
+        e2.encode(x, out=torch.empty(3, dtype=torch.uint8))

@@ -152,8 +152,9 @@ class BoundaryEncoder(_Side):
         sample_ids=None,
         indices: torch.Tensor | None = None,
         uncompressed: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Compress ``x`` into a fresh uint8 payload of ``self.nbytes(x.shape, x.dtype, ...)`` bytes.
+        """Compress ``x`` into a uint8 payload of ``self.nbytes(x.shape, x.dtype, ...)`` bytes.
 
         Args:
             x: the activation or gradient.
@@ -162,6 +163,8 @@ class BoundaryEncoder(_Side):
             indices: values-only TopK gradients: the indices the receiving stage decoded for this
                 micro-batch's activation.
             uncompressed: send raw (warm-up steps); AQ-SGD buffers are filled with ``x``.
+            out: a uint8 buffer of exactly that size on ``x``'s device to write into (an engine reuses
+                one per boundary once the previous send completed); default a fresh tensor.
 
         Raises:
             NonFiniteError: NaN/Inf in ``x`` with ``nonfinite="error"``.
@@ -176,7 +179,14 @@ class BoundaryEncoder(_Side):
             )
         if lay.values_only and indices is None:
             raise ValueError(f"{self.name}: TopK gradients reuse the activation's indices: pass indices=")
-        payload = torch.empty(lay.nbytes, dtype=torch.uint8, device=x.device)
+        if out is None:
+            payload = torch.empty(lay.nbytes, dtype=torch.uint8, device=x.device)
+        elif out.dtype != torch.uint8 or out.numel() != lay.nbytes or out.device != x.device \
+                or not out.is_contiguous():
+            raise ValueError(f"{self.name}: out must be a contiguous uint8 tensor of {lay.nbytes} bytes on "
+                             f"{x.device}, got {out.dtype} with {out.numel()} elements on {out.device}")
+        else:
+            payload = out.view(-1)
         x = x.detach()
         if mode == "raw":
             encode_into(_NONE, x, payload, lay)

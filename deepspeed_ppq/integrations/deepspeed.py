@@ -128,7 +128,7 @@ class PPQPipelineEngine(PipelineEngine):
             )
         self._encoders: dict[tuple[str, int], Any] = {}
         self._decoders: dict[tuple[str, int], Any] = {}
-        self._payload_bufs: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._payload_bufs: dict[tuple, torch.Tensor] = {}
         self._sent_indices: dict[int, dict[int, Any]] = {}  # buffer -> tuple index -> TopK indices
         self._recv_indices: dict[int, dict[int, Any]] = {}
         self._sample_ids: dict[int, torch.Tensor] = {}  # buffer -> int64[B]
@@ -225,10 +225,22 @@ class PPQPipelineEngine(PipelineEngine):
         return self._decoders[key]
 
     def _payload_buffer(self, direction: str, idx: int, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer reused for every message of (``direction``, tuple index, size): receive buffers
+        and send buffers alike -- ``p2p.send`` returns once the tensor is handed over (gloo) or enqueued
+        on the communication stream (NCCL), so the next encode may overwrite it."""
         key = (direction, idx, nbytes)
         buf = self._payload_bufs.get(key)
         if buf is None:
             buf = self._payload_bufs[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buf
+
+    def _grad_buffer(self, idx: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """The decoded gradient of output ``idx``, reused across micro-batches as DeepSpeed reuses its
+        ``grad_layer``: the backward pass consumes it before the next RecvGrad."""
+        key = ("grad_out", idx, shape, dtype)
+        buf = self._payload_bufs.get(key)
+        if buf is None:
+            buf = self._payload_bufs[key] = torch.empty(shape, dtype=dtype, device=self.device)
         return buf
 
     def _codec_mode(self, direction: str) -> dict | None:
@@ -316,7 +328,8 @@ class PPQPipelineEngine(PipelineEngine):
                 continue
             enc = self._encoder("act", idx)
             t0 = time.perf_counter()
-            payload = enc.encode(t.detach(), sample_ids=ids, **mode)
+            out = self._payload_buffer("send_act", idx, enc.nbytes(t.shape, t.dtype, **mode))
+            payload = enc.encode(t.detach(), sample_ids=ids, out=out, **mode)
             stats["encode_s"] += time.perf_counter() - t0
             kept[idx] = enc.last_indices
             self._check_flag(enc, "act", self.stage_id, idx, sender=True)
@@ -382,7 +395,8 @@ class PPQPipelineEngine(PipelineEngine):
                                    "has no gradient to send back")
             enc = self._encoder("grad", idx)
             t0 = time.perf_counter()
-            payload = enc.encode(t.grad, indices=kept.get(idx) if reuse else None, **mode)
+            out = self._payload_buffer("send_grad", idx, enc.nbytes(t.grad.shape, t.grad.dtype, **mode))
+            payload = enc.encode(t.grad, indices=kept.get(idx) if reuse else None, out=out, **mode)
             stats["encode_s"] += time.perf_counter() - t0
             self._check_flag(enc, "grad", b, idx, sender=True)
             p2p.send(payload, self.prev_stage)
@@ -409,7 +423,7 @@ class PPQPipelineEngine(PipelineEngine):
             payload = self._payload_buffer("grad", idx, dec.nbytes(shape, t.dtype, **mode))
             p2p.recv(payload, self.next_stage)
             t0 = time.perf_counter()
-            g = torch.empty(shape, dtype=t.dtype, device=self.device)
+            g = self._grad_buffer(idx, shape, t.dtype)
             dec.decode(payload, shape, t.dtype, indices=kept.get(idx) if reuse else None, out=g, **mode)
             self._stats[(self.stage_id, "grad")]["decode_s"] += time.perf_counter() - t0
             self._check_flag(dec, "grad", self.stage_id, idx, sender=False)
