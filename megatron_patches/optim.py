@@ -78,11 +78,14 @@ def _sources(opt, out: dict[int, tuple[torch.Tensor, torch.Tensor | None]]) -> b
             for p in group:
                 out[id(p)] = (p, None)
     elif hasattr(opt, "model_float16_groups"):
-        # DistributedOptimizer: only shards of the main params; the model params are whole after the
-        # param all-gather, which is deferred to the next forward with overlap_param_gather.
-        for group in list(opt.model_float16_groups) + list(opt.model_fp32_groups):
-            for p in group:
-                out[id(p)] = (p, None)
+        # DistributedOptimizer: this rank keeps main-param shards of some params only
+        # (model_float16_groups lists those), but the param all-gather brings every updated model
+        # param of its model chunks to every rank; it is deferred to the next forward with
+        # overlap_param_gather.
+        for chunk in opt.model_chunks:
+            for p in chunk.parameters():
+                if p.requires_grad:
+                    out[id(p)] = (p, None)
         ddp = getattr(opt, "ddp_config", None)
         deferred = bool(getattr(ddp, "overlap_param_gather", False)) or bool(
             getattr(ddp, "use_megatron_fsdp", False))

@@ -73,3 +73,17 @@ def test_step_wrapping_is_idempotent_and_undone():
         uninstall_requantize_after_step()
     for c, step in originals.items():
         assert c.__dict__["step"] is step
+
+
+@pytest.mark.distributed
+def test_distributed_optimizer_copies_follow_the_param_all_gather():
+    """DP=2: re-quantized at the step with a synchronous all-gather; marked stale and re-quantized in the
+    next forward when the all-gather overlaps it."""
+    results = run_ranks(HERE / "mcore" / "dist_optim_ranks.py", 2, timeout=300)
+    for rank, r in enumerate(results):
+        sync, overlap = r["sync_gather"], r["overlap_gather"]
+        assert sync["inner"] == "DistributedOptimizer" and sync["success"] and sync["layers"] == 8, rank
+        assert sync["requantized_at_step"] and not sync["marked_stale"], rank
+        assert overlap["marked_stale"] and not overlap["requantized_at_step"], rank
+        assert sync["copy_matches_after_forward"] is True, rank
+        assert overlap["copy_matches_after_forward"] is True, rank
