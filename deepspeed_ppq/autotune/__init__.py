@@ -43,20 +43,23 @@ __all__ = [
 ]
 
 
-def autotune(spec=None, nproc: int = 2, **fields) -> dict:
+def autotune(spec=None, nproc: int = 2, config=None, **fields) -> dict:
     """Run the tuning loop on ``nproc`` local gloo ranks and return its result (``tune.json``).
 
     Args:
-        spec: a ``TuneSpec`` or dict of its fields; ``fields`` override it.
+        spec: a ``TuneSpec`` or dict of its fields; it overrides ``config``, ``fields`` override both.
         nproc: ranks to start (the world size the plan is for).
+        config: a ``"ppq"`` config (``PPQConfig``, dict, JSON path or whole DeepSpeed config) whose
+            ``autotune`` section and ``weights`` policy set the spec (as ``ppq tune --config``).
 
     Raises:
         RuntimeError: a rank failed (its output went to this process's stdout/stderr).
     """
-    from deepspeed_ppq.autotune.cli import spawn_local
+    from deepspeed_ppq.autotune.cli import spawn_local, spec_fields_from_config
     from deepspeed_ppq.autotune.loop import TuneSpec
 
-    d = asdict(spec) if isinstance(spec, TuneSpec) else dict(spec or {})
+    d = spec_fields_from_config(config) if config is not None else {}
+    d.update(asdict(spec) if isinstance(spec, TuneSpec) else dict(spec or {}))
     d.update(fields)
     TuneSpec(**d)  # validate field names here, before starting processes
     with tempfile.TemporaryDirectory(prefix="ppq-tune-") as tmp:

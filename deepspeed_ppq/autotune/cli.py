@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict, fields
 from pathlib import Path
 
-__all__ = ["add_parser", "spec_from_args", "spawn_local"]
+__all__ = ["add_parser", "spec_from_args", "spec_fields_from_config", "spawn_local", "CONFIG_TO_SPEC"]
 
 
 def _free_port() -> int:
@@ -52,32 +52,58 @@ def spawn_local(argv: list[str], nproc: int, timeout: float = 3600) -> int:
     return max(codes, key=abs)
 
 
-def spec_from_args(args):
-    """A ``TuneSpec`` from ``--spec`` (JSON file), a ``"ppq"`` config's ``autotune`` section and flags."""
-    from deepspeed_ppq.autotune.loop import TuneSpec
+def _codec_dict(c) -> dict:
+    """A ``CodecConfig`` as the short dict the planner keys codecs by: ``method`` plus non-defaults."""
+    return {"method": c.method, **c.model_dump(mode="json", exclude_defaults=True)}
+
+
+# every ``AutotuneConfig`` field -> (``TuneSpec`` field, conversion); ``None`` values are left unset
+CONFIG_TO_SPEC = {
+    "memory_budget_gb": ("memory_budget", lambda v: int(v * 2**30)),
+    "val_loss_tolerance": ("val_loss_tolerance", None),
+    "max_iterations": ("max_iterations", None),
+    "trial_steps": ("trial_steps", None),
+    "micro_batch_sizes": ("micro_batch_sizes", list),
+    "schedules": ("schedules", list),
+    "allow_recompute": ("allow_recompute", None),
+    "min_gradient_bits": ("min_gradient_bits", None),
+    "min_activation_bits": ("min_activation_bits", None),
+    "profile_cache": ("profile_cache", None),
+    "formats": ("formats", lambda v: [getattr(f, "value", f) for f in v]),
+    "master_free": ("master_free", None),
+    "activation_codecs": ("activation_codecs", lambda v: [_codec_dict(c) for c in v]),
+    "gradient_codecs": ("gradient_codecs", lambda v: [_codec_dict(c) for c in v]),
+    "pipeline_degrees": ("pipeline_degrees", list),
+    "optimizer_8bit": ("optimizer_8bit", None),
+    "global_batch": ("global_batch", None),
+}
+
+
+def spec_fields_from_config(config) -> dict:
+    """``TuneSpec`` fields from a ``"ppq"`` config (a ``PPQConfig``, dict, JSON path or whole DeepSpeed
+    config): every ``ppq.autotune`` field (``CONFIG_TO_SPEC``) plus ``ppq.weights`` as the precision
+    policy (its ``format`` is left out: the candidates are ``autotune.formats``)."""
     from deepspeed_ppq.config import load_ppq_config
 
+    ppq = load_ppq_config(config)
+    d = {"weights": ppq.weights.model_dump(mode="json", exclude={"format"})}
+    for name, (target, conv) in CONFIG_TO_SPEC.items():
+        v = getattr(ppq.autotune, name)
+        if v is not None:
+            d[target] = conv(v) if conv else v
+    return d
+
+
+def spec_from_args(args):
+    """A ``TuneSpec`` from a ``"ppq"`` config's ``autotune`` section, then ``--spec`` (JSON file) over
+    it, then flags over both."""
+    from deepspeed_ppq.autotune.loop import TuneSpec
+
     d: dict = {}
+    if args.config:
+        d.update(spec_fields_from_config(args.config))
     if args.spec:
         d.update(json.loads(Path(args.spec).read_text()))
-    if args.config:
-        ppq = load_ppq_config(args.config)
-        a = ppq.autotune
-        d.setdefault("weights", ppq.weights.model_dump(mode="json", exclude={"format"}))
-        if a.memory_budget_gb is not None:
-            d.setdefault("memory_budget", int(a.memory_budget_gb * 2**30))
-        if a.micro_batch_sizes:
-            d.setdefault("micro_batch_sizes", a.micro_batch_sizes)
-        for name in (
-            "val_loss_tolerance",
-            "max_iterations",
-            "trial_steps",
-            "allow_recompute",
-            "min_activation_bits",
-            "min_gradient_bits",
-            "profile_cache",
-        ):
-            d.setdefault(name, getattr(a, name))
     for name in ("global_batch", "out_dir"):
         v = getattr(args, name, None)
         if v is not None:

@@ -56,6 +56,10 @@ class TuneSpec:
             ``min_activation_bits``/``min_gradient_bits`` are dropped.
         weights: the ``WeightsConfig`` fields of the precision policy.
         optimizer_8bit: let the planner choose 8-bit Adam states.
+        schedules: pipeline schedules to plan for; the DeepSpeed engine runs ``"1f1b"`` (its
+            ``TrainSchedule``) only, so that is the one value a tuning run accepts.
+        master_free: let the planner keep only the 8-bit codes of low-bit weights (``weights.master
+            = "none"``, no fp32 master) for 8-bit formats.
         extra_baselines: other DeepSpeed partition methods to run and report (e.g. ``["uniform"]``).
         ab_repeats: after acceptance, run the baseline and the accepted plan alternately this many
             more times each (A B A B ...) so that load drifts on a shared machine hit both alike.
@@ -73,6 +77,8 @@ class TuneSpec:
     gradient_codecs: list[dict] = field(default_factory=lambda: [{"method": "none"}])
     weights: dict = field(default_factory=dict)
     optimizer_8bit: bool = True
+    schedules: list[str] = field(default_factory=lambda: ["1f1b"])
+    master_free: bool = False
     allow_recompute: bool = True
     min_activation_bits: int = 4
     min_gradient_bits: int = 8
@@ -89,6 +95,37 @@ class TuneSpec:
     out_dir: str = "ppq_tune"
     extra_baselines: list[str] = field(default_factory=list)
     ab_repeats: int = 0
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.schedules if s != "1f1b"]
+        if bad or not self.schedules:
+            raise ValueError(
+                f"schedules={self.schedules!r}: the DeepSpeed pipeline engine runs only '1f1b' (its "
+                "TrainSchedule), so a tuning run can plan for ['1f1b'] only"
+            )
+        if self.master_free and not master_free_supported():
+            raise ValueError(
+                "master_free=True: this deepspeed_ppq's QuantLinear still keeps an fp32 master weight with "
+                "weights.master='none' (master-free training has not landed in deepspeed_ppq.quant); set "
+                "master_free=false"
+            )
+        for name in ("activation_codecs", "gradient_codecs"):
+            if not getattr(self, name):
+                raise ValueError(f"{name}=[]: give at least one codec (e.g. {{'method': 'none'}})")
+
+
+def master_free_supported() -> bool:
+    """Whether ``QuantLinear`` with ``weights.master="none"`` really drops the fp32 master (probed on a
+    small layer: no floating-point parameter of the weight's size is left)."""
+    from deepspeed_ppq.config import WeightsConfig
+    from deepspeed_ppq.quant import QuantLinear
+
+    try:
+        cfg = WeightsConfig(format="int8", master="none")
+        q = QuantLinear.from_linear(torch.nn.Linear(64, 64, bias=False), "int8", cfg)
+    except (TypeError, ValueError, NotImplementedError):
+        return False
+    return not any(p.is_floating_point() and p.numel() == 64 * 64 for p in q.parameters())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,17 +193,28 @@ def _codec_bits(c: dict) -> int:
     return 32 if m in ("none", "topk") else 8 if m == "fp8" else int(c.get("bits", 8))
 
 
+def _canonical_codec(c: dict) -> str:
+    from deepspeed_ppq.config import CodecConfig
+
+    return json.dumps(CodecConfig.model_validate(c).model_dump(mode="json"), sort_keys=True)
+
+
 def _problem(
     spec: TuneSpec, world: int, layers: list[LayerProfile], codecs: list[CodecOption], link, opt_s
 ) -> PlanningProblem:
-    by_label = {json.dumps(c.as_dict, sort_keys=True): c for c in codecs}
+    by_label = {_canonical_codec(c.as_dict): c for c in codecs}
 
     def pick(cands: list[dict], min_bits: int) -> list[CodecOption]:
         out = []
         for c in cands:
             if c.get("method", "none") != "none" and _codec_bits(c) < min_bits:
                 continue
-            out.append(by_label[json.dumps(c, sort_keys=True)])
+            out.append(by_label[_canonical_codec(c)])
+        if not out:
+            raise ValueError(
+                f"no codec candidate in {cands} has at least {min_bits} bits (min_activation_bits/"
+                "min_gradient_bits): add {'method': 'none'} or a codec with more bits"
+            )
         return out
 
     return PlanningProblem(
@@ -176,6 +224,7 @@ def _problem(
         memory_budget=spec.memory_budget,
         micro_batch_sizes=list(spec.micro_batch_sizes),
         pipeline_degrees=spec.pipeline_degrees,
+        schedules=list(spec.schedules),
         activation_codecs=pick(spec.activation_codecs, spec.min_activation_bits),
         gradient_codecs=pick(spec.gradient_codecs, spec.min_gradient_bits),
         optimizer_8bit=[False, True] if spec.optimizer_8bit else [False],
