@@ -361,6 +361,10 @@ def write_results(rows: list[dict], args: dict, wall: float) -> tuple[Path, Path
     lines += ["", "## The study's findings, checked on these numbers", ""] + [f"- {f}" for f in found]
     lines += ["", "Wire/raw: payload bytes per boundary and micro-batch (`payload_nbytes`) over fp32 bytes. "
               "With index reuse the gradient payload carries values only.",
+              f"Epochs: {args['steps'] * args['batch'] / args['train_windows']:.2f} over "
+              f"{args['train_windows']} training windows. AQ-SGD sends the change of a sample's "
+              "activation since the sample was last seen, so it differs from its plain codec only "
+              "once samples come round again (from the second epoch on).",
               "Every compressed case uses the seed-0 initialisation and batch order; the `seed+k` rows "
               "change both, and their spread is the noise a difference must exceed to count."]
     mpath = RESULTS / "quality_small_gpt.md"
@@ -391,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     args = {k.replace("-", "_"): v for k, v in vars(a).items()}
     args["argv"] = " ".join(argv)
     check_against_reference(args)
-    build_token_datasets(seq_len=a.seq_len, vocab_size=a.vocab, max_bytes=a.max_bytes)  # fill the cache once
+    train, _, _ = build_token_datasets(seq_len=a.seq_len, vocab_size=a.vocab, max_bytes=a.max_bytes)
+    args["train_windows"] = len(train)  # (the call also fills the tokenizer cache once for the workers)
     cases = study_cases(a.noise_seeds, a.topk30)
     if a.only:
         keep = {n.strip() for n in a.only.split(",")} | {"uncompressed"}
