@@ -71,7 +71,10 @@ def main() -> None:
         train = _RandomTokens(4096, cfg.seq_len, cfg.vocab_size)
     if ppq.aqsgd.enabled:
         train = WithSampleIds(train)
+    # partition and ppq.weights from the config: each stage converts its own Linear layers, keeping the
+    # model's first/last blocks dense; initialize() re-quantizes the compute copies after every step
     model = PPQPipelineModule.from_config(gpt_layers(cfg), args.num_stages, ppq, loss_fn=gpt_loss)
+    print(f"rank {dist.get_rank()}: {len(model.ppq_quantized)} low-bit Linear layers", flush=True)
     optimizer = None
     if "optimizer" not in ds_config:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,9 @@ def test_deepspeed_launcher_runs_cpu_example(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"steps: {STEPS} loss:" in proc.stdout
+    # ppq.weights int8 on 8 blocks, first and last kept dense: 6 blocks x 4 Linear layers over both stages
+    counts = {int(r): int(n) for r, n in re.findall(r"rank (\d+): (\d+) low-bit Linear layers", proc.stdout)}
+    assert sorted(counts) == [0, 1] and sum(counts.values()) == 6 * 4, proc.stdout[-2000:]
     stats = json.loads((tmp_path / "s.json").read_text())
     for key in ("0.act", "0.grad"):
         assert stats[key]["messages"] == STEPS * GAS
