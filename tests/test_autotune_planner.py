@@ -38,7 +38,8 @@ def _layer(rng: random.Random, name: str, kind: str, params: int, flops: float) 
         allowed_formats=allowed,
         times=times,
         weight_bytes={f: int(4 * params * FORMATS[f]) + 256 for f in allowed},
-        saved_bytes={f: int(rng.uniform(2, 6) * 4096) for f in allowed},
+        # the embedding saves its token ids only (and is never recomputed)
+        saved_bytes={f: int(rng.uniform(2, 6) * 4096) if kind != "embed" else 512 for f in allowed},
         input_bytes=4096,
         output_bytes=4096,
     )
@@ -186,7 +187,7 @@ def test_freed_memory_goes_to_pipeline_fill():
     )
     base_free = baseline_plan(prob)
     assert not any(s.recompute for s in base_free.stages)
-    prob.memory_budget = int(max(s.peak_memory for s in base_free.stages) * 0.8)
+    prob.memory_budget = int(max(s.peak_memory for s in base_free.stages) * 0.85)
     base = baseline_plan(prob)
     tuned = plan_pipeline(prob)
     assert all(s.recompute for s in base.stages)
@@ -307,3 +308,21 @@ def test_simulator_agrees_with_the_closed_form_model():
     sim = simulate_plan(prob, plan)
     assert sim["step_time"] == pytest.approx(plan.predicted_step_time, rel=0.10)
     assert 0.0 <= sim["bubble_fraction"] < 1.0
+
+
+def test_recompute_model_skips_the_embedding_like_the_runtime():
+    """The loop checkpoints every layer but the embedding (its input is token ids): a recomputing
+    stage pays the forward twice for the others only and keeps the embedding's saved ids."""
+    from deepspeed_ppq.autotune.planner import stage_memory, stage_time
+
+    prob = _problem(3, 5, world_size=2, global_batch=4, micro_batch_sizes=[2], pipeline_degrees=[2])
+    k = _knobs(2, 2, 2)
+    plain, rec = StageChoice(0, 3, "none", False), StageChoice(0, 3, "none", True)
+    fwd = [layer.time("none", 2)[0] for layer in prob.layers[:3]]
+    assert stage_time(prob, k, rec) - stage_time(prob, k, plain) == pytest.approx(fwd[1] + fwd[2])
+    emb, b1, b2 = prob.layers[:3]
+    want = 2 * (2 * emb.saved_bytes["none"] + 2 * (b1.input_bytes + b2.input_bytes)) + 2 * max(
+        b1.saved_bytes["none"], b2.saved_bytes["none"]
+    )
+    assert stage_memory(prob, k, rec, 0)["activations"] == want
+    assert [layer.recomputable for layer in prob.layers] == [False, True, True, True, True]

@@ -90,6 +90,13 @@ class LayerProfile:
     def params(self) -> int:
         return sum(self.param_numels)
 
+    @property
+    def recomputable(self) -> bool:
+        """Whether a recomputing stage checkpoints this layer. The embedding is not: its input is token
+        ids (a reentrant checkpoint would cut the graph) and it saves only those ids, so the tuning loop
+        checkpoints the other layers (``checkpointable_layers``) and the cost model does the same."""
+        return self.kind != "embed"
+
     def formats(self) -> list[str]:
         return ["none", *[f for f in self.allowed_formats if f != "none"]]
 

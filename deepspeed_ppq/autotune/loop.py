@@ -299,8 +299,10 @@ def _run_plan(spec: TuneSpec, plan: Plan, train_ds, val_ds) -> dict:
         boundaries=plan.boundaries,
         loss_fn=gpt_loss,
         activation_checkpoint_interval=1 if plan.stages[stage].recompute else 0,
-        # the embedding's input is token ids: a reentrant checkpoint around it would cut the graph
-        checkpointable_layers=["BlockPipe", "HeadPipe"],
+        # what the cost model recomputes (``LayerProfile.recomputable``): every layer but the embedding
+        checkpointable_layers=sorted(
+            {type(layer).__name__ for layer, kind in zip(layers, layer_kinds(cfg)) if kind != "embed"}
+        ),
     )
     wcfg = deepspeed_ppq.config.WeightsConfig.model_validate(spec.weights)
     for name, fmt in lin_fmt.items():
@@ -443,7 +445,7 @@ def _stage_compute(problem: PlanningProblem, sp, b: int) -> float:
     t = 0.0
     for layer in problem.layers[sp.layers[0] : sp.layers[1]]:
         f, bi, bw = layer.time("none", b)
-        t += f * (2 if sp.recompute else 1) + bi + bw
+        t += f * (2 if sp.recompute and layer.recomputable else 1) + bi + bw
     return t
 
 
@@ -567,20 +569,51 @@ def _fit_link_and_slots(problem: PlanningProblem, runs: list[tuple[Plan, dict]])
 
 
 def _calibration_plan(problem: PlanningProblem, base: Plan) -> Plan | None:
-    """The baseline's partition at the smallest other micro-batch size that splits the batch."""
+    """The baseline's partition at a second micro-batch size, to separate the per-micro-batch fixed
+    cost from the time scale (and the link latency from the per-slot cost: the micro-batch count
+    changes too). The probe runs whether or not it fits the budget (it calibrates, it is not a
+    candidate): the size farthest from the baseline's (by ratio; larger on a tie, where tuned plans
+    tend to go) among those that split the global batch."""
     from deepspeed_ppq.autotune.costs import NO_CODEC
     from deepspeed_ppq.autotune.planner import Knobs, StageChoice, _to_plan, evaluate_stages
 
-    dp, gb = base.data_parallel, base.global_batch
-    for b in sorted(problem.micro_batch_sizes):
-        if b == base.micro_batch_size or gb % (b * dp):
-            continue
-        k = Knobs(base.pipeline_degree, b, gb // (b * dp), base.schedule, NO_CODEC, NO_CODEC, False)
-        stages = [StageChoice(*sp.layers, "none", sp.recompute) for sp in base.stages]
-        ev = evaluate_stages(problem, k, stages)
-        if ev["fits"]:
-            return _to_plan(problem, k, stages, ev, ["calibration run: the baseline at another micro-batch"])
-    return None
+    dp, gb, b0 = base.data_parallel, base.global_batch, base.micro_batch_size
+    sizes = [b for b in problem.micro_batch_sizes if b != b0 and gb % (b * dp) == 0]
+    if not sizes:
+        return None
+    b = max(sizes, key=lambda x: (abs(math.log(x / b0)), x))
+    k = Knobs(base.pipeline_degree, b, gb // (b * dp), base.schedule, NO_CODEC, NO_CODEC, False)
+    stages = [StageChoice(*sp.layers, "none", sp.recompute) for sp in base.stages]
+    ev = evaluate_stages(problem, k, stages)
+    note = "calibration probe: the baseline at another micro-batch size" + (
+        "" if ev["fits"] else " (over the budget: run for calibration only)"
+    )
+    return _to_plan(problem, k, stages, ev, [note])
+
+
+def _predict(problem: PlanningProblem, plan: Plan) -> dict:
+    """The (calibrated) model's step time and bubble for an existing plan."""
+    from deepspeed_ppq.autotune.planner import Knobs, StageChoice, evaluate_stages
+
+    def codec(cands, cfg):
+        return next((c for c in cands if c.as_dict == cfg), None) or CodecOption.make(cfg)
+
+    k = Knobs(
+        plan.pipeline_degree,
+        plan.micro_batch_size,
+        plan.num_microbatches,
+        plan.schedule,
+        codec(problem.activation_codecs, plan.activation_codec),
+        codec(problem.gradient_codecs, plan.gradient_codec),
+        plan.optimizer_8bit,
+    )
+    levels = []
+    for sp in plan.stages:
+        low = sorted({f for f in sp.formats if f != "none"})
+        levels.append(low[0] if len(low) == 1 else "none")
+    stages = [StageChoice(*sp.layers, lv, sp.recompute) for sp, lv in zip(plan.stages, levels)]
+    ev = evaluate_stages(problem, k, stages)
+    return {"step_time": ev["step_time"], "bubble_fraction": ev["bubble_fraction"]}
 
 
 def _back_off(layers: list[LayerProfile], plan: Plan, problem: PlanningProblem) -> str | None:
@@ -737,6 +770,21 @@ def run_tuning(spec: TuneSpec) -> dict | None:
         )
     calibration = _calibrate(problem, runs)
     base_run["simulated_after_calibration"] = simulate_plan(problem, base)
+    for plan, run in runs:  # in-sample: these runs are what the model was fitted to
+        cal = _predict(problem, plan)
+        run["calibrated_step_time"] = cal["step_time"]
+        run["calibrated_bubble_fraction"] = cal["bubble_fraction"]
+    for rec in extra.values():
+        cal = _predict(problem, Plan.from_dict(rec["plan"]))
+        rec["run"]["calibrated_step_time"] = cal["step_time"]
+        rec["run"]["calibrated_bubble_fraction"] = cal["bubble_fraction"]
+    if calib is not None:
+        calibration["probe"] = {
+            "micro_batch_size": calib.micro_batch_size,
+            "num_microbatches": calib.num_microbatches,
+            "measured_step_time": runs[-1][1]["measured_step_time"],
+            "calibrated_step_time": runs[-1][1]["calibrated_step_time"],
+        }
     note(
         f"calibration: layer times x{calibration['time_scale']:.3f}, "
         f"engine {calibration['fixed_per_microbatch_s'] * 1e3:.2f} ms per stage and micro-batch "

@@ -168,7 +168,7 @@ def stage_time(prob: PlanningProblem, k: Knobs, c: StageChoice) -> float:
     t = 0.0
     for layer in prob.layers[c.first : c.last]:
         f, bi, bw = layer.time(layer.format_for(c.level), k.micro_batch_size)
-        t += f * (2 if c.recompute else 1) + bi + bw
+        t += f * (2 if c.recompute and layer.recomputable else 1) + bi + bw
     return t + _boundary_times(prob, k, c.first, c.last) + prob.microbatch_overhead_s
 
 
@@ -181,8 +181,10 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
         for cat, v in layer.static_bytes(layer.format_for(c.level), k.optimizer_8bit).items():
             mem[cat] += v
     saved = [layer.saved_bytes[layer.format_for(c.level)] * b for layer in layers]
-    if c.recompute:  # keep each layer's input; one layer's full activations live during its backward
-        mem["activations"] = n_act * b * sum(layer.input_bytes for layer in layers) + max(saved)
+    if c.recompute:  # checkpointed layers keep their input, and one of them its full activations
+        kept = [b * layer.input_bytes if layer.recomputable else x for layer, x in zip(layers, saved)]
+        transient = [x for layer, x in zip(layers, saved) if layer.recomputable]
+        mem["activations"] = n_act * sum(kept) + max(transient, default=0)
     else:
         mem["activations"] = n_act * sum(saved)
     grad_buf = layers[-1].output_bytes if c.last < len(prob.layers) else 0
@@ -252,6 +254,7 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool) -> tuple
     N = L + 1
     options = [(lv, r) for lv in prob.levels() for r in ((False, True) if prob.allow_recompute else (False,))]
     in_b = np.array([layer.input_bytes for layer in layers], dtype=float)
+    rc = np.array([layer.recomputable for layer in layers])
     shape = (len(options), N, N)
     t_opt, static_opt, act_opt, transient_opt = (np.zeros(shape) for _ in range(4))
     per_level = {}
@@ -262,18 +265,20 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool) -> tuple
         saved = np.array([layer.saved_bytes[f] * b for layer, f in zip(layers, fmts)], dtype=float)
         per_level[level] = (
             _seg(_prefix(tm[:, 0])),
+            _seg(_prefix(np.where(rc, tm[:, 0], 0.0))),
             _seg(_prefix(tm[:, 1] + tm[:, 2])),
             _seg(_prefix(stat)),
             saved,
         )
     for o, (level, rec) in enumerate(options):
-        fwd, bwd, stat, saved = per_level[level]
-        t_opt[o] = fwd * (2 if rec else 1) + bwd
+        fwd, fwd_rc, bwd, stat, saved = per_level[level]
+        t_opt[o] = fwd + (fwd_rc if rec else 0.0) + bwd
         static_opt[o] = stat
-        if rec:  # each layer's input kept; one layer's full activations live during its backward
-            act_opt[o] = _seg(_prefix(in_b * b))
+        if rec:  # checkpointed layers keep their input, and one of them its full activations
+            act_opt[o] = _seg(_prefix(np.where(rc, in_b * b, saved)))
+            transient = np.where(rc, saved, 0.0)
             for i in range(L):
-                transient_opt[o, i, i + 1 :] = np.maximum.accumulate(saved[i:])
+                transient_opt[o, i, i + 1 :] = np.maximum.accumulate(transient[i:])
         else:
             act_opt[o] = _seg(_prefix(saved))
     return options, t_opt, static_opt, act_opt, transient_opt
@@ -610,7 +615,8 @@ def simulate_plan(prob: PlanningProblem, plan: Plan) -> dict:
                 forward=f + prob.microbatch_overhead_s,
                 backward_input=bi,
                 backward_weight=bw,
-                recompute=f if sp.recompute else 0.0,
+                recompute=sum(layer.time(fmt, b)[0] for layer, fmt in zip(layers, sp.formats)
+                              if layer.recomputable) if sp.recompute else 0.0,
                 optimizer=_extras(prob, k, params),
             )
         )

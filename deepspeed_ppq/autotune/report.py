@@ -38,6 +38,13 @@ def _plan_section(title: str, plan: Plan, run: dict) -> list[str]:
         f"- predicted bubble fraction {plan.predicted_bubble_fraction:.3f}; "
         f"validation loss {run['val_loss']:.4f}",
     ]
+    if "calibrated_step_time" in run:
+        cal = run["calibrated_step_time"]
+        lines.append(
+            f"- after calibration (the model refitted to the baseline and probe runs): predicted "
+            f"{cal * 1e3:.1f} ms vs measured {meas_t * 1e3:.1f} ms ({_ratio(cal, meas_t)}), bubble "
+            f"{run['calibrated_bubble_fraction']:.3f}"
+        )
     sim = run.get("simulated") or run.get("simulated_after_calibration")
     if sim:
         lines.append(
