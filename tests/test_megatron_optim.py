@@ -3,7 +3,7 @@
 Neither moves the parameter's autograd version counter (bnb writes through its kernels,
 megatron-core copies main params into model params through ``.data``), so the lazy version check in
 ``QuantParallelLinear`` alone would leave the compute copy at the initial weights. Run by hand with
-``tests/mcore/optim_rank.py unfixed`` (the hooks left out), the ``copy_matches_*`` checks below are
+``tests/mcore/optim_rank.py unfixed`` (2 ranks) (the hooks left out), the ``copy_matches_*`` checks below are
 False; with them, True.
 """
 
@@ -18,8 +18,14 @@ HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
-def optim_result():
-    return run_ranks(HERE / "mcore" / "optim_rank.py", 1, ["fixed"], timeout=300)[0]
+def optim_results():
+    return run_ranks(HERE / "mcore" / "optim_rank.py", 2, ["fixed"], timeout=300)
+
+
+@pytest.fixture(scope="module")
+def optim_result(optim_results):
+    assert optim_results[0] == optim_results[1]  # data parallel: both ranks saw the same
+    return optim_results[0]
 
 
 @pytest.mark.distributed
@@ -76,14 +82,12 @@ def test_step_wrapping_is_idempotent_and_undone():
 
 
 @pytest.mark.distributed
-def test_distributed_optimizer_copies_follow_the_param_all_gather():
+def test_distributed_optimizer_copies_follow_the_param_all_gather(optim_result):
     """DP=2: re-quantized at the step with a synchronous all-gather; marked stale and re-quantized in the
     next forward when the all-gather overlaps it."""
-    results = run_ranks(HERE / "mcore" / "dist_optim_ranks.py", 2, timeout=300)
-    for rank, r in enumerate(results):
-        sync, overlap = r["sync_gather"], r["overlap_gather"]
-        assert sync["inner"] == "DistributedOptimizer" and sync["success"] and sync["layers"] == 8, rank
-        assert sync["requantized_at_step"] and not sync["marked_stale"], rank
-        assert overlap["marked_stale"] and not overlap["requantized_at_step"], rank
-        assert sync["copy_matches_after_forward"] is True, rank
-        assert overlap["copy_matches_after_forward"] is True, rank
+    sync, overlap = optim_result["sync_gather"], optim_result["overlap_gather"]
+    assert sync["inner"] == "DistributedOptimizer" and sync["success"] and sync["layers"] == 8
+    assert sync["requantized_at_step"] and not sync["marked_stale"]
+    assert overlap["marked_stale"] and not overlap["requantized_at_step"]
+    assert sync["copy_matches_after_forward"] is True
+    assert overlap["copy_matches_after_forward"] is True

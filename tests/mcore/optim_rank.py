@@ -1,10 +1,11 @@
-"""Rank script (world size 1): low-bit compute copies follow the optimizer that updates the masters.
+"""Rank script (world size 2, data parallel 2): low-bit compute copies follow the optimizer.
 
 Neither bitsandbytes' 8-bit optimizers nor megatron-core's bf16 optimizer move a parameter's autograd
 version counter, so without the step hooks the low-bit copy would stay at the initial weights.
 Reports, per case, whether every QuantParallelLinear's compute copy equals a fresh quantization of
 its master after one step (and that the master really moved), and whether the next forward
-re-quantized again (it should not: the step already did).
+re-quantized again (it should not: the step already did). Every case but the DistributedOptimizer
+one does the same on both ranks (gradients all-reduced over data parallel 2).
 
 argv[1]: "fixed" (the package as shipped) or "unfixed" (the optimizer-step hooks left out, to show
 that the checks fail without them).
@@ -184,15 +185,58 @@ def case_fp32_and_skipped() -> dict:
     return out
 
 
+def case_distributed(overlap: bool) -> dict:
+    """DistributedOptimizer (data parallel 2): each rank updates its shard of the main params, the param
+    all-gather brings the rest at the end of the step, or with ``overlap_param_gather`` during the next
+    forward. Re-quantized at the step in the first case, marked stale and re-quantized in the next
+    forward in the second (re-quantizing at the step there would read the other rank's half before it
+    arrived: checked by hand, ``copy_matches_after_forward`` is then False)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_patches.cpu_shim import cpu_shim
+    from megatron_patches.layers import convert_megatron_model
+
+    model = build_gpt(bf16=True)
+    convert_megatron_model(model, POLICY)
+    layers = quant_layers(model)
+    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=overlap,
+                                            overlap_grad_reduce=overlap)
+    with cpu_shim():
+        ddp = DistributedDataParallel(model.config, ddp_cfg, Float16Module(model.config, model))
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True,
+                                                     use_distributed_optimizer=True), [ddp])
+        ids, pos = batch()
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        ddp(ids, pos, attention_mask=None, labels=ids).float().mean().backward()
+        ddp.finish_grad_sync()
+        seen = [m.quant_version for m in layers]
+        success, _, _ = opt.step()
+        out = {"inner": type(opt.chained_optimizers[0]).__name__, "success": bool(success),
+               "layers": len(layers),
+               "requantized_at_step": all(m.quant_version == s + 1 for m, s in zip(layers, seen)),
+               "marked_stale": all(m._stale for m in layers)}
+        # Megatron-LM's loop: zero_grad starts the first deferred all-gather, the forward waits on it
+        opt.zero_grad()
+        ddp.zero_grad_buffer()
+        ddp(ids, pos, attention_mask=None, labels=ids)
+    out["copy_matches_after_forward"] = copies_match(layers, [m.weight for m in layers])
+    return out
+
+
 def main() -> None:
     fixed = sys.argv[1] == "fixed"
     dist.init_process_group("gloo")
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(1, 1)  # 2 ranks: data parallel 2
     out = {"bnb": case_bnb(fixed), "megatron": case_megatron(fixed)}
     if fixed:
         out.update(case_fp32_and_skipped())
+        out["sync_gather"] = case_distributed(False)
+        out["overlap_gather"] = case_distributed(True)
     write_result(out)
     dist.destroy_process_group()
 
