@@ -1,0 +1,187 @@
+// Stochastic-rounding blockwise quantization of weights to int8 / fp8 e4m3 / fp8 e5m2 on CPU.
+//
+// Design note.
+// * The math is the one written in deepspeed_ppq/quant/sr_ops.py, bit for bit given the same (seed,
+//   offset): scales as the deterministic weight quantizer (absmax / Q rounded to fp32 or bf16, or one
+//   scale for the whole tensor), a counter-based hash per element for the random bits (no generator
+//   state: element i uses counter offset + i, so blocks run in any order on any thread), and the
+//   round-up test u * (hi - lo) < a - lo on the magnitude, exact in fp32.
+// * Used once per optimizer step per master-free layer (dequantize -> update -> this), so it is a
+//   single pass per block: absmax over the block (L1-resident after the first read), scale, encode.
+//   Blocks are independent; OpenMP splits them statically. A per-tensor fp8 scale needs the global
+//   absmax first (one extra read pass).
+// * fp8 neighbours come from the round-to-nearest-even code (c10's own fp32 -> fp8 conversion, the
+//   one torch's cast uses) and the code one below or above it: fp8 codes of one sign order like
+//   their magnitudes.
+// * A block holding NaN/Inf gets a NaN scale and zero codes; the Python front end raises.
+// * Kept apart from weights.cpp (another concern's file): the small helpers repeat on purpose.
+#include <torch/extension.h>
+#include <torch/library.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <string_view>
+
+namespace {
+
+enum class SrFmt { I8, E4M3, E5M2 };
+
+SrFmt parse_sr_fmt(std::string_view f) {
+  if (f == "int8") return SrFmt::I8;
+  if (f == "fp8_e4m3") return SrFmt::E4M3;
+  if (f == "fp8_e5m2") return SrFmt::E5M2;
+  TORCH_CHECK(false, "fmt='", std::string(f),
+              "' has no stochastic-rounding quantizer: use int8, fp8_e4m3 or fp8_e5m2");
+}
+
+float sr_qmax(SrFmt f) { return f == SrFmt::I8 ? 127.0f : f == SrFmt::E4M3 ? 448.0f : 57344.0f; }
+
+inline uint32_t hash32(uint32_t x) {  // "lowbias32"
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+inline float uniform24(uint64_t c, uint32_t key) {
+  const uint32_t r = hash32(hash32(static_cast<uint32_t>(c) ^ key) ^ static_cast<uint32_t>(c >> 32));
+  return static_cast<float>(r >> 8) * 5.9604644775390625e-08f;  // 2^-24
+}
+
+inline float load(const void* x, bool bf16, int64_t i) {
+  return bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(x)[i]) : static_cast<const float*>(x)[i];
+}
+
+template <class F8>
+inline float f8_value(uint8_t code) {
+  return static_cast<float>(F8(code, F8::from_bits()));
+}
+
+// Magnitude a in [0, Q] -> stochastic fp8 code with the sign of y.
+template <class F8>
+inline uint8_t sr_fp8(float y, float a, float u, int top) {
+  const int c = F8(a).x;
+  const float v = f8_value<F8>(static_cast<uint8_t>(c));
+  const int lo_c = v > a ? c - 1 : c;
+  const int hi_c = lo_c >= top ? lo_c : lo_c + 1;
+  const float lo = f8_value<F8>(static_cast<uint8_t>(lo_c));
+  const float hi = f8_value<F8>(static_cast<uint8_t>(hi_c));
+  const int q = u * (hi - lo) < a - lo ? hi_c : lo_c;
+  return static_cast<uint8_t>(y < 0.0f ? (q | 0x80) : q);
+}
+
+inline int8_t sr_int8(float y, float a, float u) {
+  const float lo = std::floor(a);
+  const int q = static_cast<int>(lo) + (u * 1.0f < a - lo ? 1 : 0);
+  return static_cast<int8_t>(y < 0.0f ? -q : q);
+}
+
+float block_absmax(const void* x, bool bf16, int64_t i0, int64_t i1, bool* bad) {
+  float m = 0.0f;
+  bool b = false;
+  for (int64_t i = i0; i < i1; ++i) {
+    const float v = load(x, bf16, i);
+    b |= !std::isfinite(v);
+    m = std::max(m, std::fabs(v));
+  }
+  *bad = b;
+  return m;
+}
+
+float stored_scale(float absmax, bool bad, float qmax, bool scale_bf16) {
+  float s = bad ? std::numeric_limits<float>::quiet_NaN() : absmax / qmax;
+  if (scale_bf16) s = static_cast<float>(c10::BFloat16(s));
+  return s;
+}
+
+void encode(const void* x, bool bf16, int64_t i0, int64_t i1, float s, SrFmt f, uint64_t offset, uint32_t key,
+            uint8_t* codes) {
+  const float qmax = sr_qmax(f);
+  const bool finite = std::isfinite(s);
+  float inv = s > 0.0f ? 1.0f / s : 0.0f;
+  inv = std::min(inv, std::numeric_limits<float>::max());
+  for (int64_t i = i0; i < i1; ++i) {
+    float y = finite ? std::clamp(load(x, bf16, i) * inv, -qmax, qmax) : 0.0f;
+    const float a = std::fabs(y);
+    const float u = uniform24(offset + static_cast<uint64_t>(i), key);
+    switch (f) {
+      case SrFmt::I8: reinterpret_cast<int8_t*>(codes)[i] = sr_int8(y, a, u); break;
+      case SrFmt::E4M3: codes[i] = sr_fp8<c10::Float8_e4m3fn>(y, a, u, 0x7E); break;
+      default: codes[i] = sr_fp8<c10::Float8_e5m2>(y, a, u, 0x7B); break;
+    }
+  }
+}
+
+at::ScalarType sr_code_type(SrFmt f) {
+  return f == SrFmt::I8 ? at::kChar : f == SrFmt::E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+}
+
+void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B, int64_t seed, int64_t offset,
+                            at::Tensor& codes, at::Tensor& scales) {
+  const SrFmt f = parse_sr_fmt(fmt);
+  TORCH_CHECK(B >= 16 && B <= 4096 && (B & (B - 1)) == 0, "block_size=", B,
+              " is not allowed: use a power of two in [16, 4096]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x has dtype ",
+              x.scalar_type(), "; allowed: Float (fp32) or BFloat16");
+  TORCH_CHECK(x.is_contiguous() && x.device().is_cpu(), "x must be a contiguous CPU tensor");
+  TORCH_CHECK(seed >= 0 && seed <= 0xffffffffLL, "seed=", seed, " is not allowed: use [0, 2^32)");
+  TORCH_CHECK(offset >= 0, "offset=", offset, " is not allowed: use a non-negative counter");
+  const int64_t n = x.numel();
+  TORCH_CHECK(n > 0, "x is empty");
+  const int64_t nb = (n + B - 1) / B;
+  TORCH_CHECK(codes.scalar_type() == sr_code_type(f) && codes.is_contiguous() && codes.numel() == n,
+              "codes must be a contiguous ", sr_code_type(f), " tensor of ", n, " elements, got ",
+              codes.scalar_type(), " with ", codes.numel());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16,
+              "scales has dtype ", scales.scalar_type(), "; allowed: Float or BFloat16");
+  const bool per_tensor = scales.numel() == 1 && nb > 1;
+  TORCH_CHECK(scales.is_contiguous() && (scales.numel() == nb || (per_tensor && f != SrFmt::I8)),
+              "scales has ", scales.numel(), " elements; ", n, " values in blocks of ", B, " need ", nb,
+              f != SrFmt::I8 ? " (or 1 for a per-tensor fp8 scale)" : "");
+  const bool xbf = x.scalar_type() == at::kBFloat16;
+  const bool sbf = scales.scalar_type() == at::kBFloat16;
+  const void* xp = x.data_ptr();
+  auto* cp = static_cast<uint8_t*>(codes.data_ptr());
+  const uint32_t key = hash32(static_cast<uint32_t>(seed));
+  const uint64_t off = static_cast<uint64_t>(offset);
+  const float qmax = sr_qmax(f);
+  auto put_scale = [&](int64_t j, float s) {
+    if (sbf) static_cast<c10::BFloat16*>(scales.data_ptr())[j] = c10::BFloat16(s);
+    else static_cast<float*>(scales.data_ptr())[j] = s;
+  };
+  if (per_tensor) {
+    bool bad = false;
+    float m = 0.0f;
+#pragma omp parallel for schedule(static) reduction(max : m) reduction(|| : bad)
+    for (int64_t b = 0; b < nb; ++b) {
+      bool bb;
+      m = std::max(m, block_absmax(xp, xbf, b * B, std::min(n, (b + 1) * B), &bb));
+      bad = bad || bb;
+    }
+    const float s = stored_scale(m, bad, qmax, sbf);
+    put_scale(0, s);
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < nb; ++b) encode(xp, xbf, b * B, std::min(n, (b + 1) * B), s, f, off, key, cp);
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t i0 = b * B, i1 = std::min(n, (b + 1) * B);
+    bool bad;
+    const float s = stored_scale(block_absmax(xp, xbf, i0, i1, &bad), bad, qmax, sbf);
+    put_scale(b, s);
+    encode(xp, xbf, i0, i1, s, f, off, key, cp);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ppq, CPU, m) { m.impl("weight_quantize_sr_out", &weight_quantize_sr_out); }
