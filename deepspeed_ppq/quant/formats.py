@@ -33,7 +33,7 @@ levels serve magnitudes (bitsandbytes instead subtracts the mean and uses its si
 code). Rounding *up* means a dequantized scale is never smaller than the block's absmax needs, so no
 weight clips; the weight codes are computed against the dequantized scales. ``scale_dtype`` has no
 effect then: what is stored is the uint8 codes plus the fp32 group scales (a 64-block weight costs
-4.06 instead of 4.5 bits per value for nf4 with fp32 scales).
+4.13 instead of 4.5 bits per value for nf4 with fp32 scales).
 
 Non-finite weights raise ``ValueError`` naming the shape, the format and the number of NaN/Inf
 values (the kernels mark such a block with a NaN scale; the check reads only the scales). If
