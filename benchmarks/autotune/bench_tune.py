@@ -70,7 +70,7 @@ def main() -> None:
             "profile_reps": 5,
             "corpus_bytes": 600_000,
             "extra_baselines": ["uniform"],
-            "ab_repeats": 2,
+            "ab_repeats": 3,
             "out_dir": str(Path(tmp) / "out"),
         }
         res = autotune(spec, nproc=2)
@@ -92,8 +92,8 @@ def main() -> None:
         f"{spec['trial_steps']} steps per run ({spec['warmup_steps']} untimed).",
         "",
         "| config | boundaries | micro-batch | formats | samples/s | x baseline | bubble pred | bubble meas "
-        "| step pred ms | step meas ms | val loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| step pred ms | step calibrated ms | step meas ms | val loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     out = []
     for name, plan, run in rows:
@@ -114,6 +114,9 @@ def main() -> None:
             "bubble_predicted": plan["predicted_bubble_fraction"],
             "bubble_measured": _measured_bubble(run),
             "step_predicted_s": run["predicted_step_time"],
+            # baselines: the model after calibration (fitted to the baseline and probe runs); the tuned
+            # plan was planned with that model, so its prediction already is the calibrated one
+            "step_calibrated_s": run.get("calibrated_step_time", run["predicted_step_time"]),
             "step_measured_s": run["measured_step_time"],
             "val_loss": run["val_loss"],
         }
@@ -121,7 +124,8 @@ def main() -> None:
         md.append(
             f"| {name} | {rec['boundaries']} | {mb} | {','.join(fm)} | {rec['samples_per_second']:.1f} | "
             f"{rec['speedup']:.2f}x | {rec['bubble_predicted']:.3f} | {rec['bubble_measured']:.3f} | "
-            f"{rec['step_predicted_s'] * 1e3:.1f} | {rec['step_measured_s'] * 1e3:.1f} | "
+            f"{rec['step_predicted_s'] * 1e3:.1f} | {rec['step_calibrated_s'] * 1e3:.1f} | "
+            f"{rec['step_measured_s'] * 1e3:.1f} | "
             f"{rec['val_loss']:.4f} |"
         )
     b, t = out[0], out[-1]
@@ -143,7 +147,12 @@ def main() -> None:
         f"{b['val_loss']:.4f} -> {t['val_loss']:.4f} "
         f"({(t['val_loss'] / b['val_loss'] - 1) * 100:+.2f}%, target within 1%)",
         f"- the tuned plan's step-time prediction was made before it ran (cost model calibrated on the "
-        f"baseline run: {res['calibration']})",
+        f"baseline run and a probe of the baseline at micro-batch "
+        f"{res['calibration'].get('probe', {}).get('micro_batch_size')}: {res['calibration']})",
+        "- step-time prediction error (calibrated model vs measured): "
+        + ", ".join(
+            f"{r['config']} {(r['step_calibrated_s'] / r['step_measured_s'] - 1) * 100:+.1f}%" for r in out
+        ),
         "- bubble measured = 1 - (ForwardPass + BackwardPass time) / step time on the most idle stage",
         "",
         "Run: `.venv/bin/python benchmarks/autotune/bench_tune.py`",

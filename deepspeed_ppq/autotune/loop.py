@@ -16,7 +16,6 @@ counted while any saved reference to it lives) and DeepSpeed's pipe buffers. On 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
@@ -282,7 +281,7 @@ def _run_plan(spec: TuneSpec, plan: Plan, train_ds, val_ds) -> dict:
     import deepspeed_ppq
     from deepspeed_ppq.integrations.pipe_module import PPQPipelineModule
     from deepspeed_ppq.models.gpt import GPTConfig, gpt_layers, gpt_loss, layer_kinds
-    from deepspeed_ppq.quant import QuantLinear, build_optimizer, measure_storage, requantize_after_step
+    from deepspeed_ppq.quant import QuantLinear, build_optimizer, measure_storage
 
     cfg = GPTConfig(**spec.model)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -293,24 +292,36 @@ def _run_plan(spec: TuneSpec, plan: Plan, train_ds, val_ds) -> dict:
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     topo = PipeDataParallelTopology(num_pp=plan.pipeline_degree, num_dp=plan.data_parallel)
+    kinds = layer_kinds(cfg)
+    wcfg = deepspeed_ppq.config.WeightsConfig.model_validate(spec.weights)
+    plan.block_size = wcfg.block_size
+    ppq_section = plan.ppq_section()
+    # the storage settings the profile measured (scale dtype, double quant, ...) under the plan's rules
+    ppq_section["weights"] = {
+        **wcfg.model_dump(mode="json", exclude={"format", "rules"}),
+        **ppq_section["weights"],
+    }
+    # the plugin's module converts this stage's Linear layers by the plan's exact rules (global names)
     module = PPQPipelineModule(
         layers,
         topology=topo,
         boundaries=plan.boundaries,
         loss_fn=gpt_loss,
+        weights=ppq_section["weights"],
+        block_layers=[i for i, k in enumerate(kinds) if k == "block"],
         activation_checkpoint_interval=1 if plan.stages[stage].recompute else 0,
         # what the cost model recomputes (``LayerProfile.recomputable``): every layer but the embedding
         checkpointable_layers=sorted(
-            {type(layer).__name__ for layer, kind in zip(layers, layer_kinds(cfg)) if kind != "embed"}
+            {type(layer).__name__ for layer, kind in zip(layers, kinds) if kind != "embed"}
         ),
     )
-    wcfg = deepspeed_ppq.config.WeightsConfig.model_validate(spec.weights)
-    for name, fmt in lin_fmt.items():
-        with contextlib.suppress(AttributeError):
-            mod = module.get_submodule(name)
-            if not isinstance(mod, QuantLinear):
-                parent, _, child = name.rpartition(".")
-                setattr(module.get_submodule(parent), child, QuantLinear.from_linear(mod, fmt, wcfg))
+    planned = {n for n in lin_fmt if n.split(".", 1)[0].isdigit() and plan.boundaries[stage]
+               <= int(n.split(".", 1)[0]) < plan.boundaries[stage + 1]}
+    converted = {n for n, m in module.named_modules() if isinstance(m, QuantLinear)}
+    if converted != planned:
+        raise RuntimeError(
+            f"stage {stage}: the module converted {sorted(converted)}, the plan has {sorted(planned)}"
+        )
     params = [p for p in module.parameters() if p.requires_grad]
     opt = build_optimizer(params, "adam8bit" if plan.optimizer_8bit else "adam", lr=spec.lr)
     ds_cfg = {
@@ -318,10 +329,10 @@ def _run_plan(spec: TuneSpec, plan: Plan, train_ds, val_ds) -> dict:
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.num_microbatches,
         "steps_per_print": 10**9,
-        "ppq": {k: v for k, v in plan.ppq_section().items() if k != "weights"},
+        "ppq": {k: v for k, v in ppq_section.items() if k != "weights"},
     }
+    # initialize wires the re-quantization of train-mode low-bit layers after every optimizer step
     engine, _, _, _ = deepspeed_ppq.initialize(model=module, optimizer=opt, config=ds_cfg)
-    requantize_after_step(opt, module)
     instr_time: dict[str, float] = {}
 
     def timed(name, fn):
