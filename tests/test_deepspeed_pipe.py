@@ -61,11 +61,17 @@ CODEC_CASES = {
 }
 
 
+BLOCKING_CASES = ("ef21", "topk_reuse", "tuple_quant8")
+
+
 def _cases() -> list[dict]:
     cases = [{"name": "stock", "stock": True}, {"name": "none", "ppq": {}},
              {"name": "stock_tuple", "stock": True, "tuple": True},
              {"name": "none_tuple", "ppq": {}, "tuple": True}]
     cases += [{"name": n, "ppq": p, "tuple": t} for n, (p, _, t) in CODEC_CASES.items()]
+    # the same codecs with blocking sends: overlapping sends must not change a single bit
+    cases += [{"name": f"{n}_blocking", "ppq": CODEC_CASES[n][0], "tuple": CODEC_CASES[n][2],
+               "overlap": False} for n in BLOCKING_CASES]
     return cases
 
 
@@ -104,6 +110,11 @@ def _check_world(results: list[dict], world: int) -> None:
                 b, d = key.split(".")
                 msgs, total = _wire_theory({}, d, base == "none_tuple", int(b))
                 assert (s["messages"], s["wire_bytes"], s["raw_bytes"]) == (msgs, total, total), (rank, key)
+        for name in BLOCKING_CASES:  # non-blocking sends (the default) vs blocking: bit-identical
+            a, b = res[name], res[f"{name}_blocking"]
+            assert (a["losses"], a["eval_loss"]) == (b["losses"], b["eval_loss"]), (rank, name)
+            assert {k: v["wire_bytes"] for k, v in a["stats"].items()} == \
+                {k: v["wire_bytes"] for k, v in b["stats"].items()}, (rank, name)
         for name, (ppq, tol, tuple_act) in CODEC_CASES.items():
             r = res[name]
             assert r["grad_steps"] == STEPS and r["stage_params"] > 0, (rank, name)

@@ -106,10 +106,14 @@ class PPQPipelineEngine(PipelineEngine):
         ppq_config: the ``"ppq"`` section (``PPQConfig``, dict, path or ``None``).
         ppq_sample_ids: the data iterator yields ``(inputs, labels, sample_ids)`` batches (needed by
             AQ-SGD; implied when ``training_data`` items are 3-tuples).
+        ppq_overlap_sends: compressed payloads leave with a non-blocking ``isend``; the engine goes on
+            with its next instruction and waits for the send only before it reuses that payload buffer
+            (one per micro-batch buffer) and at the end of the schedule. The bytes are the same, so the
+            numbers are too; only the waiting moves.
     """
 
     def __init__(self, *args, ppq_config: PPQConfig | dict | str | None = None,
-                 ppq_sample_ids: bool | None = None, **kwargs):
+                 ppq_sample_ids: bool | None = None, ppq_overlap_sends: bool = True, **kwargs):
         self.ppq = load_ppq_config(ppq_config)
         self._aqsgd = self.ppq.aqsgd.enabled
         if self._aqsgd:
@@ -129,6 +133,8 @@ class PPQPipelineEngine(PipelineEngine):
         self._encoders: dict[tuple[str, int], Any] = {}
         self._decoders: dict[tuple[str, int], Any] = {}
         self._payload_bufs: dict[tuple, torch.Tensor] = {}
+        self._overlap = ppq_overlap_sends and p2p.can_send_recv()
+        self._inflight: dict[tuple, Any] = {}  # send buffer key -> the isend's work handle
         self._sent_indices: dict[int, dict[int, Any]] = {}  # buffer -> tuple index -> TopK indices
         self._recv_indices: dict[int, dict[int, Any]] = {}
         self._sample_ids: dict[int, torch.Tensor] = {}  # buffer -> int64[B]
@@ -234,6 +240,36 @@ class PPQPipelineEngine(PipelineEngine):
             buf = self._payload_bufs[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return buf
 
+    def _send_buffer(self, direction: str, idx: int, nbytes: int, buffer_id: int) -> torch.Tensor:
+        """The payload buffer to encode into: one per (direction, tuple index, size, micro-batch buffer),
+        so sends of different micro-batches can be in flight together; waits for its previous send."""
+        key = (direction, idx, nbytes, buffer_id)
+        self._wait_send(key)
+        return self._payload_buffer("send_" + direction, idx, nbytes) if not self._overlap else \
+            self._payload_buffer(f"send_{direction}_{buffer_id}", idx, nbytes)
+
+    def _send_payload(self, payload: torch.Tensor, stage: int, key: tuple) -> None:
+        if not self._overlap:
+            p2p.send(payload, stage)
+            return
+        self._inflight[key] = dist.isend(payload, self.grid.stage_to_global(stage_id=stage))
+
+    def _wait_send(self, key: tuple) -> None:
+        work = self._inflight.pop(key, None)
+        if work is not None:
+            work.wait()
+
+    def _wait_sends(self) -> None:
+        """Wait for every payload still in flight."""
+        for key in list(self._inflight):
+            self._wait_send(key)
+
+    def _exec_schedule(self, *args, **kwargs):
+        try:
+            return super()._exec_schedule(*args, **kwargs)
+        finally:
+            self._wait_sends()  # a schedule (train or eval batch) ends with nothing in flight
+
     def _grad_buffer(self, idx: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """The decoded gradient of output ``idx``, reused across micro-batches as DeepSpeed reuses its
         ``grad_layer``: the backward pass consumes it before the next RecvGrad."""
@@ -328,12 +364,12 @@ class PPQPipelineEngine(PipelineEngine):
                 continue
             enc = self._encoder("act", idx)
             t0 = time.perf_counter()
-            out = self._payload_buffer("send_act", idx, enc.nbytes(t.shape, t.dtype, **mode))
+            out = self._send_buffer("act", idx, enc.nbytes(t.shape, t.dtype, **mode), buffer_id)
             payload = enc.encode(t.detach(), sample_ids=ids, out=out, **mode)
             stats["encode_s"] += time.perf_counter() - t0
             kept[idx] = enc.last_indices
             self._check_flag(enc, "act", self.stage_id, idx, sender=True)
-            p2p.send(payload, self.next_stage)
+            self._send_payload(payload, self.next_stage, ("act", idx, payload.numel(), buffer_id))
             stats["raw_bytes"] += t.numel() * t.element_size()
             stats["wire_bytes"] += payload.numel()
             stats["messages"] += 1
@@ -395,11 +431,11 @@ class PPQPipelineEngine(PipelineEngine):
                                    "has no gradient to send back")
             enc = self._encoder("grad", idx)
             t0 = time.perf_counter()
-            out = self._payload_buffer("send_grad", idx, enc.nbytes(t.grad.shape, t.grad.dtype, **mode))
+            out = self._send_buffer("grad", idx, enc.nbytes(t.grad.shape, t.grad.dtype, **mode), buffer_id)
             payload = enc.encode(t.grad, indices=kept.get(idx) if reuse else None, out=out, **mode)
             stats["encode_s"] += time.perf_counter() - t0
             self._check_flag(enc, "grad", b, idx, sender=True)
-            p2p.send(payload, self.prev_stage)
+            self._send_payload(payload, self.prev_stage, ("grad", idx, payload.numel(), buffer_id))
             stats["raw_bytes"] += t.grad.numel() * t.grad.element_size()
             stats["wire_bytes"] += payload.numel()
             stats["messages"] += 1
@@ -449,6 +485,7 @@ class PPQPipelineEngine(PipelineEngine):
     def _raise_if_sender_flagged(self) -> None:
         # Raised after the flagged payload went out, so the receiver stops as well instead of hanging.
         if self.ppq.nonfinite == "error" and self._nonfinite_where:
+            self._wait_sends()
             raise NonFiniteStepError(
                 f"NaN/Inf to send at {self._nonfinite_where[-1]} (step {self.global_steps}); "
                 "ppq.nonfinite='error' stops training. Set ppq.nonfinite='skip' to skip such steps instead.")
@@ -638,7 +675,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                lr_scheduler=None, distributed_port: int = 29500, mpu=None, dist_init_required=None,
                collate_fn=None, config=None, mesh_param=None, config_params=None, *,
                sample_ids: bool | None = None, block_layers=None, recompute_stages=None,
-               recompute_layers=None, requantize: bool = True):
+               recompute_layers=None, requantize: bool = True, overlap_sends: bool = True):
     """Drop-in for ``deepspeed.initialize`` that honours the config's top-level ``"ppq"`` section.
 
     Before DeepSpeed sees the model: ``ppq.weights`` converts its ``nn.Linear`` layers (skipped when the
@@ -657,6 +694,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             turns DeepSpeed's ``activation_checkpoint_interval`` off (it is one value for all stages).
         recompute_layers: one bool per global layer instead.
         requantize: wire the re-quantization hook (set False if you call ``requantize_after_step`` yourself).
+        overlap_sends: compressed payloads go out with a non-blocking send (``PPQPipelineEngine``).
 
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)`` as ``deepspeed.initialize``; for a
@@ -696,7 +734,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if ppq.aqsgd.enabled:
         _check_sample_ids(training_data, sample_ids)
     check_codecs(ppq)
-    engine_cls = functools.partial(PPQPipelineEngine, ppq_config=ppq, ppq_sample_ids=sample_ids)
+    engine_cls = functools.partial(PPQPipelineEngine, ppq_config=ppq, ppq_sample_ids=sample_ids,
+                                   ppq_overlap_sends=overlap_sends)
     saved = deepspeed.PipelineEngine
     deepspeed.PipelineEngine = engine_cls  # deepspeed.initialize looks the class up in its module globals
     try:

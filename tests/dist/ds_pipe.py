@@ -164,6 +164,8 @@ def run_case(case: dict, world: int) -> dict:
         {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}))
     init = deepspeed.initialize if case.get("stock") else deepspeed_ppq.initialize
     kwargs = {} if case.get("stock") or not case.get("sample_ids", True) else {"sample_ids": True}
+    if "overlap" in case:
+        kwargs["overlap_sends"] = case["overlap"]
     try:
         engine, *_ = init(model=module, optimizer=opt, config=ds_config, **kwargs)
         data = make_data(case.get("nan_step"))
