@@ -62,6 +62,7 @@ def test_infer_block_layers_and_recompute_flags():
         [False, True, False, False, False, False]
     assert recompute_flags(6, parts, recompute_stages=True) == [True] * 6
     assert recompute_flags(6, parts) == [False] * 6
+    assert recompute_flags(6, parts, recompute_stages=[]) == [False] * 6  # plan: no stage recomputes
     with pytest.raises(PPQConfigError, match=r"recompute_stages=\[True\]: a flag per stage needs 2"):
         recompute_flags(6, parts, recompute_stages=[True])
     with pytest.raises(PPQConfigError, match=r"recompute_stages=\[5\]: .*stage indices in \[0, 2\)"):

@@ -37,6 +37,8 @@ CODECS = {
     "quant4/8": {"activations": {"method": "quant", "bits": 4}, "gradients": {"method": "quant", "bits": 8}},
     "quant4": {"activations": {"method": "quant", "bits": 4}, "gradients": {"method": "quant", "bits": 4}},
 }
+# The same codecs with blocking sends (overlap_sends=False): what the non-blocking sends buy.
+BLOCKING = ("quant8", "quant4")
 
 
 def _worker(steps: int) -> None:
@@ -81,13 +83,15 @@ def _worker(steps: int) -> None:
     link = {"bytes": buf.numel() * 4, "seconds": min(times)}
 
     out = {"link": link, "codecs": {}, "env": env}
-    for name, ppq in CODECS.items():
+    runs = [(name, ppq, True) for name, ppq in CODECS.items()]
+    runs += [(f"{name} blocking", CODECS[name], False) for name in BLOCKING]
+    for name, ppq, overlap in runs:
         module = PPQPipelineModule([Scale(), Scale(), Scale(), Scale()], num_stages=2, boundaries=[0, 2, 4],
                                    loss_fn=nn.functional.mse_loss)
         opt = torch.optim.SGD(module.parameters(), lr=0.01)
         cfg = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": GAS,
                "steps_per_print": 10**6, "ppq": ppq}
-        engine, *_ = deepspeed_ppq.initialize(model=module, optimizer=opt, config=cfg)
+        engine, *_ = deepspeed_ppq.initialize(model=module, optimizer=opt, config=cfg, overlap_sends=overlap)
         first_loss = engine.train_batch(iter(batches)).item()  # warm-up (allocations, first meta)
         step_s = []
         for _ in range(steps):

@@ -633,6 +633,10 @@ def _prepare_model(model, ppq: PPQConfig, ds_config: dict, optimizer, model_para
         _check_params_live(model, optimizer, model_parameters, w.format.value)
     if recompute_stages is None and recompute_layers is None:
         recompute_stages = (ds_config.get("pipeline") or {}).get("recompute_stages")
+        if recompute_stages is not None and is_pipe:
+            # the config's per-stage choice replaces its activation_checkpoint_interval, which the module
+            # may have been built with (the engine turns the config's value off the same way)
+            model.activation_checkpoint_interval = 0
     if recompute_stages is not None or recompute_layers is not None:
         if not is_pipe:
             raise PPQConfigError("recompute_stages/recompute_layers apply to a PipelineModule's stages; "

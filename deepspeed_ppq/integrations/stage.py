@@ -168,7 +168,9 @@ def recompute_flags(num_layers: int, parts: Sequence[int], *, recompute_stages=N
         stages = set(range(num_stages))
     else:
         given = list(recompute_stages)
-        if all(isinstance(s, bool) for s in given):
+        if not given:
+            stages = set()  # the autotuner's "no stage recomputes"
+        elif all(isinstance(s, bool) for s in given):
             if len(given) != num_stages:
                 raise PPQConfigError(
                     f"recompute_stages={given!r}: a flag per stage needs {num_stages} entries, or give stage "
