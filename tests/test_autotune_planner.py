@@ -19,6 +19,7 @@ from deepspeed_ppq.autotune.planner import (
     evaluate_stages,
     plan_pipeline,
     solve_partition,
+    stage_levels,
 )
 
 FORMATS = {"none": 1.0, "int8": 0.25, "nf4": 0.14}
@@ -63,7 +64,9 @@ def _problem(seed: int, n_layers: int, heavy_ends: bool = False, **kw) -> Planni
 
 def _brute_force(prob: PlanningProblem, k: Knobs) -> float:
     L, p = len(prob.layers), k.pipeline_degree
-    options = [(lv, r) for lv in prob.levels() for r in ((False, True) if prob.allow_recompute else (False,))]
+    options = [
+        (lv, r) for lv in stage_levels(prob, k) for r in ((False, True) if prob.allow_recompute else (False,))
+    ]
     best = float("inf")
     for cuts in combinations(range(1, L), p - 1):
         b = [0, *cuts, L]
@@ -326,3 +329,51 @@ def test_recompute_model_skips_the_embedding_like_the_runtime():
     )
     assert stage_memory(prob, k, rec, 0)["activations"] == want
     assert [layer.recomputable for layer in prob.layers] == [False, True, True, True, True]
+
+
+def test_master_free_frees_the_masters_and_searches_exactly():
+    """Master-free int8 drops the 4 B/param fp32 master (so low-bit weights save memory in training);
+    with it among the knobs the search still equals brute force, uses 8-bit levels only, and the plan
+    renders ``weights.master = "none"``."""
+    from deepspeed_ppq.autotune.planner import stage_memory
+
+    prob = _problem(6, 6, world_size=2, global_batch=8, pipeline_degrees=[2], micro_batch_sizes=[2, 4],
+                    master_free=[False, True])
+    k, kf = _knobs(2, 2, 4), _knobs(2, 2, 4, master_free=True)
+    c = StageChoice(1, 4, "int8", False)
+    plain, free = stage_memory(prob, k, c, 0), stage_memory(prob, kf, c, 0)
+    assert plain["master"] == 4 * sum(layer.quantizable_params for layer in prob.layers[1:4])
+    assert free["master"] == 0 and {x: free[x] for x in free if x != "master"} == {
+        x: plain[x] for x in plain if x != "master"
+    }
+    assert stage_levels(prob, kf) == ["none", "int8"] and "nf4" in stage_levels(prob, k)
+    with pytest.raises(ValueError, match="level 'nf4'"):
+        stage_memory(prob, kf, StageChoice(1, 4, "nf4", False), 0)
+    # 5% under the unconstrained peak: with fp32 masters a stage must recompute; master-free int8 keeps
+    # the activations instead, which is faster
+    prob.memory_budget = int(max(s.peak_memory for s in plan_pipeline(prob).stages) * 0.95)
+    plan = plan_pipeline(prob)
+    best = min(
+        _brute_force(prob, _knobs(2, b, 8 // b, master_free=mf)) for b, mf in product([2, 4], [False, True])
+    )
+    assert plan.predicted_step_time == pytest.approx(best, rel=1e-12)
+    assert plan.master_free and "int8" in plan.layer_formats and not any(s.recompute for s in plan.stages)
+    assert set(plan.layer_formats) <= {"none", "int8"}
+    assert plan.ppq_section()["weights"]["master"] == "none"
+    with_masters = plan_pipeline(PlanningProblem(**{**prob.__dict__, "master_free": [False]}))
+    assert any(s.recompute for s in with_masters.stages)
+    assert with_masters.predicted_step_time > plan.predicted_step_time
+    assert with_masters.ppq_section()["weights"]["master"] == "fp32"
+
+
+def test_back_off_gives_masters_back_first():
+    from deepspeed_ppq.autotune.loop import _back_off
+
+    prob = _problem(4, 6, world_size=2, global_batch=8, pipeline_degrees=[2], master_free=[False, True])
+    plan = plan_pipeline(prob)
+    plan.master_free = True
+    plan.stages[0].formats = ["none"] + ["int8"] * (len(plan.stages[0].formats) - 1)
+    assert "master-free weights removed" in _back_off(prob.layers, plan, prob)
+    assert prob.master_free == [False]
+    plan.master_free = False
+    assert "int8 removed" in _back_off(prob.layers, plan, prob)

@@ -6,7 +6,8 @@ planner reads them. Times are seconds, sizes bytes; per-sample sizes scale with 
 Memory accounting per parameter (what a stage keeps; see ``layer_static_bytes``):
   - weights: the storage of the layer's parameters and buffers in the chosen format (codes + scales
     for quantized Linear weights, training dtype for the rest), measured by the profiler;
-  - master: an fp32 master copy of every quantized weight (4 B/param; the optimizer updates it);
+  - master: an fp32 master copy of every quantized weight (4 B/param; the optimizer updates it), none
+    when the weights are master-free (8-bit codes updated in place with stochastic rounding);
   - gradients: fp32, 4 B per trainable parameter;
   - optimizer: Adam, 8 B per trainable parameter (+ 4 B step per tensor); with 8-bit states
     (bitsandbytes blockwise, 256 values per fp32 absmax) 2 B + 2 x 4 B per 256 values, except tensors
@@ -19,9 +20,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["LayerProfile", "CodecOption", "LinkModel", "optimizer_bytes", "interpolate_time", "NO_CODEC"]
+__all__ = [
+    "LayerProfile",
+    "CodecOption",
+    "LinkModel",
+    "optimizer_bytes",
+    "interpolate_time",
+    "NO_CODEC",
+    "MASTER_FREE_FORMATS",
+]
 
 _BNB_MIN_8BIT = 4096
+# formats whose codes can be the only weight copy (``WeightsConfig.master="none"``)
+MASTER_FREE_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
 _BNB_BLOCK = 256
 
 
@@ -110,11 +121,16 @@ class LayerProfile:
         f, bi, bw = (interpolate_time(p, micro_batch) for p in parts)
         return f, bi, bw
 
-    def static_bytes(self, fmt: str, optimizer_8bit: bool) -> dict[str, int]:
-        """Bytes this layer keeps regardless of micro-batches, by category."""
+    def static_bytes(self, fmt: str, optimizer_8bit: bool, master_free: bool = False) -> dict[str, int]:
+        """Bytes this layer keeps regardless of micro-batches, by category.
+
+        ``master_free``: low-bit weights keep only their codes (``weights.master="none"``, 8-bit
+        formats): no fp32 master; the weight gradient (an fp32 buffer) and the optimizer states stay."""
+        if master_free and fmt not in ("none", *MASTER_FREE_FORMATS):
+            raise ValueError(f"format {fmt!r} cannot be master-free: use one of {MASTER_FREE_FORMATS}")
         return {
             "weights": self.weight_bytes[fmt],
-            "master": 4 * self.quantizable_params if fmt != "none" else 0,
+            "master": 4 * self.quantizable_params if fmt != "none" and not master_free else 0,
             "gradients": 4 * self.params,
             "optimizer": optimizer_bytes(self.param_numels, optimizer_8bit),
         }

@@ -227,6 +227,7 @@ def _problem(
         activation_codecs=pick(spec.activation_codecs, spec.min_activation_bits),
         gradient_codecs=pick(spec.gradient_codecs, spec.min_gradient_bits),
         optimizer_8bit=[False, True] if spec.optimizer_8bit else [False],
+        master_free=[False, True] if spec.master_free else [False],
         allow_recompute=spec.allow_recompute,
         link=link,
         optimizer_s_per_param=opt_s,
@@ -617,6 +618,7 @@ def _predict(problem: PlanningProblem, plan: Plan) -> dict:
         codec(problem.activation_codecs, plan.activation_codec),
         codec(problem.gradient_codecs, plan.gradient_codec),
         plan.optimizer_8bit,
+        plan.master_free,
     )
     levels = []
     for sp in plan.stages:
@@ -628,7 +630,13 @@ def _predict(problem: PlanningProblem, plan: Plan) -> dict:
 
 
 def _back_off(layers: list[LayerProfile], plan: Plan, problem: PlanningProblem) -> str | None:
-    """Make the next plan more conservative; returns what was changed, or None if nothing is left."""
+    """Make the next plan more conservative; returns what was changed, or None if nothing is left.
+
+    Order: master-free weights get their fp32 masters back; then the most sensitive layer (largest
+    weight error) loses its low-bit format; then the most aggressive codec goes."""
+    if plan.master_free and True in problem.master_free:
+        problem.master_free = [False]
+        return "master-free weights removed: low-bit layers keep an fp32 master again"
     quantized = [
         (layers[i].quant_error.get(f, 0.0), i, f) for i, f in enumerate(plan.layer_formats) if f != "none"
     ]
@@ -821,6 +829,7 @@ def run_tuning(spec: TuneSpec) -> dict | None:
         note(
             f"iteration {it}: boundaries {plan.boundaries}, micro-batch {plan.micro_batch_size} x "
             f"{plan.num_microbatches}, formats {plan.layer_formats}, 8-bit Adam {plan.optimizer_8bit}, "
+            f"master-free {plan.master_free}, "
             f"predicted {plan.predicted_step_time * 1e3:.1f} ms, "
             f"measured {run['measured_step_time'] * 1e3:.1f} ms, "
             f"val loss {run['val_loss']:.4f} (limit {limit:.4f}) -> {'accepted' if ok else 'rejected'}"

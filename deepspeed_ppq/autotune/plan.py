@@ -64,6 +64,7 @@ class Plan:
     activation_codec: dict[str, Any] = field(default_factory=lambda: {"method": "none"})
     gradient_codec: dict[str, Any] = field(default_factory=lambda: {"method": "none"})
     optimizer_8bit: bool = False
+    master_free: bool = False
     block_size: int = 64
     predicted_step_time: float = 0.0
     predicted_bubble_fraction: float = 0.0
@@ -132,6 +133,7 @@ class Plan:
                 "block_size": self.block_size,
                 "keep_first_blocks": 0,
                 "keep_last_blocks": 0,
+                "master": "none" if self.master_free else "fp32",
                 "rules": self.precision_rules(),
                 "optimizer_8bit": self.optimizer_8bit,
             },

@@ -34,7 +34,7 @@ from itertools import product
 
 import numpy as np
 
-from deepspeed_ppq.autotune.costs import NO_CODEC, CodecOption, LayerProfile, LinkModel
+from deepspeed_ppq.autotune.costs import MASTER_FREE_FORMATS, NO_CODEC, CodecOption, LayerProfile, LinkModel
 from deepspeed_ppq.autotune.plan import Plan, StagePlan
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "evaluate_stages",
     "baseline_plan",
     "MEMORY_CATEGORIES",
+    "stage_levels",
 ]
 
 MEMORY_CATEGORIES = ("weights", "master", "gradients", "optimizer", "activations", "buffers")
@@ -73,6 +74,8 @@ class PlanningProblem:
         schedules: ``"1f1b"`` (what DeepSpeed's TrainSchedule runs) and/or ``"gpipe"``.
         activation_codecs, gradient_codecs: codec options within the quality bounds.
         optimizer_8bit: candidates for 8-bit optimizer states.
+        master_free: candidates for master-free low-bit weights (``weights.master="none"``: one setting
+            for the whole model, as the config has it; with it on, stages use 8-bit levels only).
         allow_recompute: let the planner checkpoint a stage's activations.
         link: the point-to-point link between stages (also used for the data-parallel all-reduce).
         optimizer_s_per_param: optimizer step seconds per parameter (fp32 Adam).
@@ -90,6 +93,7 @@ class PlanningProblem:
     activation_codecs: list[CodecOption] = field(default_factory=lambda: [NO_CODEC])
     gradient_codecs: list[CodecOption] = field(default_factory=lambda: [NO_CODEC])
     optimizer_8bit: list[bool] = field(default_factory=lambda: [False])
+    master_free: list[bool] = field(default_factory=lambda: [False])
     allow_recompute: bool = True
     link: LinkModel = field(default_factory=LinkModel)
     optimizer_s_per_param: float = 0.0
@@ -121,6 +125,7 @@ class Knobs:
     activation_codec: CodecOption
     gradient_codec: CodecOption
     optimizer_8bit: bool
+    master_free: bool = False
 
     @property
     def global_batch_per_replica(self) -> int:
@@ -177,8 +182,10 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
     b, layers = k.micro_batch_size, prob.layers[c.first : c.last]
     n_act, n_buf = _inflight(k.schedule, k.pipeline_degree, s, k.num_microbatches)
     mem = dict.fromkeys(MEMORY_CATEGORIES, 0)
+    if c.level not in stage_levels(prob, k):
+        raise ValueError(f"level {c.level!r} is not a choice under {k}: use one of {stage_levels(prob, k)}")
     for layer in layers:
-        for cat, v in layer.static_bytes(layer.format_for(c.level), k.optimizer_8bit).items():
+        for cat, v in layer.static_bytes(layer.format_for(c.level), k.optimizer_8bit, k.master_free).items():
             mem[cat] += v
     saved = [layer.saved_bytes[layer.format_for(c.level)] * b for layer in layers]
     if c.recompute:  # checkpointed layers keep their input, and one of them its full activations
@@ -246,22 +253,31 @@ def _seg(pre: np.ndarray) -> np.ndarray:
     return pre[None, :] - pre[:, None]
 
 
-def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool) -> tuple:
+def stage_levels(prob: PlanningProblem, k: Knobs) -> list[str]:
+    """Precision levels a stage may use under knobs ``k`` (master-free: ``none`` and 8-bit formats)."""
+    levels = prob.levels()
+    return [lv for lv in levels if lv == "none" or lv in MASTER_FREE_FORMATS] if k.master_free else levels
+
+
+def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_free: bool = False) -> tuple:
     """Per stage option (level, recompute): compute time, static bytes, activation bytes per
     in-flight micro-batch and transient bytes of every segment. Independent of codecs, schedule and
     pipeline degree, so ``plan_pipeline`` caches it per (micro-batch size, optimizer)."""
     layers, L = prob.layers, len(prob.layers)
     N = L + 1
-    options = [(lv, r) for lv in prob.levels() for r in ((False, True) if prob.allow_recompute else (False,))]
+    levels = stage_levels(prob, Knobs(1, b, 1, "1f1b", NO_CODEC, NO_CODEC, optimizer_8bit, master_free))
+    options = [(lv, r) for lv in levels for r in ((False, True) if prob.allow_recompute else (False,))]
     in_b = np.array([layer.input_bytes for layer in layers], dtype=float)
     rc = np.array([layer.recomputable for layer in layers])
     shape = (len(options), N, N)
     t_opt, static_opt, act_opt, transient_opt = (np.zeros(shape) for _ in range(4))
     per_level = {}
-    for level in prob.levels():
+    for level in levels:
         fmts = [layer.format_for(level) for layer in layers]
         tm = np.array([layer.time(f, b) for layer, f in zip(layers, fmts)])
-        stat = [sum(layer.static_bytes(f, optimizer_8bit).values()) for layer, f in zip(layers, fmts)]
+        stat = [
+            sum(layer.static_bytes(f, optimizer_8bit, master_free).values()) for layer, f in zip(layers, fmts)
+        ]
         saved = np.array([layer.saved_bytes[f] * b for layer, f in zip(layers, fmts)], dtype=float)
         per_level[level] = (
             _seg(_prefix(tm[:, 0])),
@@ -288,9 +304,9 @@ def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) 
     """Vectorised ``stage_time``/``stage_memory`` for every segment ``[i, j)`` and stage position."""
     layers, L, b = prob.layers, len(prob.layers), k.micro_batch_size
     N, p = L + 1, k.pipeline_degree
-    key = (b, k.optimizer_8bit)
+    key = (b, k.optimizer_8bit, k.master_free)
     if cache is None or key not in cache:
-        tabs = _option_tables(prob, b, k.optimizer_8bit)
+        tabs = _option_tables(prob, b, k.optimizer_8bit, k.master_free)
         if cache is not None:
             cache[key] = tabs
     else:
@@ -408,10 +424,15 @@ def _knob_space(prob: PlanningProblem) -> list[Knobs]:
             else:
                 lo, hi = gb
                 ms = [m for m in range(max(1, math.ceil(lo / (b * dp))), hi // (b * dp) + 1)]
-            for m, sched, a, g, o8 in product(
-                ms, prob.schedules, prob.activation_codecs, prob.gradient_codecs, prob.optimizer_8bit
+            for m, sched, a, g, o8, mf in product(
+                ms,
+                prob.schedules,
+                prob.activation_codecs,
+                prob.gradient_codecs,
+                prob.optimizer_8bit,
+                prob.master_free,
             ):
-                out.append(Knobs(p, b, m, sched, a, g, o8))
+                out.append(Knobs(p, b, m, sched, a, g, o8, mf))
     if not out:
         raise ValueError(
             f"global_batch={gb} cannot be split into micro_batch_sizes={prob.micro_batch_sizes} "
@@ -442,6 +463,7 @@ def _to_plan(prob: PlanningProblem, k: Knobs, stages: list[StageChoice], ev: dic
         activation_codec=k.activation_codec.as_dict,
         gradient_codec=k.gradient_codec.as_dict,
         optimizer_8bit=k.optimizer_8bit,
+        master_free=k.master_free,
         predicted_step_time=ev["step_time"],
         predicted_bubble_fraction=ev["bubble_fraction"],
         memory_budget=prob.memory_budget,
@@ -609,7 +631,7 @@ def simulate_plan(prob: PlanningProblem, plan: Plan) -> dict:
             x, y, z = layer.time(fmt, b)
             f, bi, bw = f + x, bi + y, bw + z
         params = sum(layer.params for layer in layers)
-        k = Knobs(plan.pipeline_degree, b, m, plan.schedule, a, g, plan.optimizer_8bit)
+        k = Knobs(plan.pipeline_degree, b, m, plan.schedule, a, g, plan.optimizer_8bit, plan.master_free)
         costs.append(
             StageCost(
                 forward=f + prob.microbatch_overhead_s,

@@ -32,7 +32,7 @@ def _plan_section(title: str, plan: Plan, run: dict) -> list[str]:
         f"- micro-batch {plan.micro_batch_size} x {plan.num_microbatches} micro-batches "
         f"(global batch {plan.global_batch})",
         f"- activations codec `{plan.activation_codec}`, gradients codec `{plan.gradient_codec}`, "
-        f"8-bit Adam states: {plan.optimizer_8bit}",
+        f"8-bit Adam states: {plan.optimizer_8bit}, master-free weights: {plan.master_free}",
         f"- step time: predicted {pred_t * 1e3:.1f} ms, measured {meas_t * 1e3:.1f} ms "
         f"(prediction error {_ratio(pred_t, meas_t)}); {run['samples_per_second']:.2f} samples/s measured",
         f"- predicted bubble fraction {plan.predicted_bubble_fraction:.3f}; "
