@@ -10,6 +10,11 @@ Two modes (``WeightsConfig.mode``):
   step the compute copy must be refreshed from the master: ``requantize_after_step(optimizer,
   model)`` (``quant.optim``) does it with a step post-hook, for a plain optimizer and a DeepSpeed
   engine alike.
+* ``"train"`` with ``WeightsConfig.master="none"`` (int8/fp8): no master at all. ``self.weight`` is
+  None; the weight gradient accumulates into ``self.weight_grad`` (fp32, allocated at the first
+  backward) and ``quant.master_free.attach_master_free`` updates the codes after each optimizer step
+  (dequantize -> AdamW -> stochastic-rounding re-quantize). Optimizer states live on the layer
+  (``optim_state``, ``optim_step``) and travel in its ``state_dict``.
 * ``"frozen"``: only the low-bit base is kept (no master, no weight gradient), plus trainable LoRA
   adapters ``y = x W^T + b + (alpha / r) (x A^T) B^T`` with ``A`` [r, in] (Kaiming init) and ``B``
   [out, r] (zeros). The bias is frozen too.
@@ -34,6 +39,7 @@ from torch import nn
 
 from deepspeed_ppq.config import WeightFormat, WeightsConfig
 from deepspeed_ppq.quant.formats import QuantizedWeight, quantize_weight
+from deepspeed_ppq.quant.sr_ops import SR_FORMATS
 
 __all__ = [
     "QuantLinear",
@@ -74,8 +80,11 @@ def _dequantized(layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
 class _DequantLinear(torch.autograd.Function):
     """y = x W^T + b with W dequantized on the fly (forward and again in backward).
 
-    Inputs: x [..., in] (fp32 or bf16), master [out, in] fp32 or None (frozen), bias [out] or None.
-    Returns grads for x, the master (``grad_y^T x``, straight-through) and the bias.
+    Inputs: x [..., in] (fp32 or bf16), master [out, in] fp32, or None (frozen), or for a master-free
+    layer a 0-element leaf that requires grad (it puts the Function in the graph even when x does
+    not require grad), bias [out] or None.
+    Returns grads for x, the master (``grad_y^T x``, straight-through; master-free: added into
+    ``layer.weight_grad`` instead, None returned) and the bias.
     """
 
     @staticmethod
@@ -104,7 +113,17 @@ class _DequantLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             g2 = grad_y.reshape(-1, grad_y.shape[-1])  # [N, out]
             x2 = x.reshape(-1, x.shape[-1])  # [N, in]
-            grad_w = g2.t().mm(x2).to(layer.weight.dtype)
+            if layer.master_free:
+                if layer.weight_grad is None:
+                    layer.weight_grad = torch.zeros(
+                        layer.qweight.shape, dtype=torch.float32, device=layer.qweight.qdata.device
+                    )
+                if g2.dtype == torch.float32:
+                    layer.weight_grad.addmm_(g2.t(), x2)
+                else:
+                    layer.weight_grad.add_(g2.t().mm(x2))
+            else:
+                grad_w = g2.t().mm(x2).to(layer.weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_y.reshape(-1, grad_y.shape[-1]).sum(0).to(layer.bias.dtype)
         return grad_x, grad_w, grad_b, None
@@ -118,6 +137,8 @@ class QuantLinear(nn.Module):
         fmt: the low-bit ``WeightFormat`` (not ``none``).
         weights_cfg: block size, scale dtype, double quantization, FP8 scale, mode and LoRA settings.
         weight: initial weight [out, in] (default: ``nn.Linear``'s init).
+        sr_seed: master-free only: the stochastic-rounding seed of this layer (``convert_model``
+            numbers its layers 0, 1, ...), in [0, 2^32).
     """
 
     def __init__(
@@ -130,6 +151,7 @@ class QuantLinear(nn.Module):
         weight: torch.Tensor | None = None,
         device=None,
         dtype: torch.dtype | None = None,
+        sr_seed: int = 0,
     ):
         super().__init__()
         cfg = weights_cfg or WeightsConfig()
@@ -158,7 +180,17 @@ class QuantLinear(nn.Module):
             cfg.fp8_scale if fmt.value.startswith("fp8") else "block",
         )
         self.quant_version = 0
-        if self.mode == "train":
+        self.master_free = self.mode == "train" and cfg.master == "none"
+        if self.master_free and fmt.value not in SR_FORMATS:
+            raise ValueError(
+                f"master='none' needs an 8-bit format ({', '.join(SR_FORMATS)}), got fmt={fmt.value!r}"
+            )
+        self.sr_seed = int(sr_seed)
+        self.weight_grad: torch.Tensor | None = None  # master-free: accumulated fp32 weight gradient
+        self.optim_state: dict[str, torch.Tensor] = {}  # master-free: AdamW moments (fp32 or 8-bit)
+        self.optim_step = 0
+        self._grad_anchor = torch.empty(0, device=master.device, requires_grad=True)
+        if self.mode == "train" and not self.master_free:
             self.weight = nn.Parameter(master.clone())
         else:
             self.register_parameter("weight", None)
@@ -177,7 +209,8 @@ class QuantLinear(nn.Module):
         self.register_load_state_dict_post_hook(_requantize_after_load)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, fmt, weights_cfg: WeightsConfig | None = None) -> QuantLinear:
+    def from_linear(cls, linear: nn.Linear, fmt, weights_cfg: WeightsConfig | None = None,
+                    sr_seed: int = 0) -> QuantLinear:
         """Build from an ``nn.Linear``: its weight becomes the master (train) or the frozen base."""
         q = cls(
             linear.in_features,
@@ -187,6 +220,7 @@ class QuantLinear(nn.Module):
             weights_cfg,
             weight=linear.weight,
             dtype=linear.weight.dtype,
+            sr_seed=sr_seed,
         )
         if linear.bias is not None:
             with torch.no_grad():
@@ -196,8 +230,11 @@ class QuantLinear(nn.Module):
     @torch.no_grad()
     def requantize_(self) -> None:
         """Refresh the low-bit compute copy from the master weight (train mode)."""
-        if self.mode != "train":
-            raise RuntimeError("QuantLinear.requantize_: a frozen layer has no master weight to re-quantize")
+        if self.mode != "train" or self.master_free:
+            raise RuntimeError(
+                "QuantLinear.requantize_: this layer has no master weight to re-quantize "
+                f"(mode={self.mode!r}, master={'none' if self.master_free else 'fp32'})"
+            )
         self.qweight.requantize_(self.weight.detach())
         self.quant_version += 1
 
@@ -208,7 +245,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in _COMPUTE_DTYPES:
             raise TypeError(f"QuantLinear input dtype {x.dtype} is not supported: use float32 or bfloat16")
-        y = _DequantLinear.apply(x, self.weight, self.bias, self)
+        master = self._grad_anchor if self.master_free else self.weight
+        y = _DequantLinear.apply(x, master, self.bias, self)
         if self.mode == "frozen":
             y = (
                 y
@@ -218,41 +256,67 @@ class QuantLinear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        # Codes are not floats to cast: only follow the parameters' device.
-        dev = next(self.parameters()).device
+        # Codes, gradient buffer and optimizer states are not floats to cast: only follow the device
+        # (of the parameters, or of a probe tensor for a bias-free master-free layer).
+        params = list(self.parameters())
+        dev = params[0].device if params else fn(torch.empty(0)).device
         qw = self.qweight
         for name in ("qdata", "scale", "scale_scale"):
             t = getattr(qw, name)
             if t is not None and t.device != dev:
                 setattr(qw, name, t.to(dev))
+        if self.weight_grad is not None and self.weight_grad.device != dev:
+            self.weight_grad = self.weight_grad.to(dev)
+        self.optim_state = {k: v.to(dev) for k, v in self.optim_state.items()}
+        if self._grad_anchor.device != dev:
+            self._grad_anchor = torch.empty(0, device=dev, requires_grad=True)
         return self
 
     def get_extra_state(self):
-        if self.mode == "train":  # derived from the master weight
+        if self.mode == "train" and not self.master_free:  # derived from the master weight
             return {"format": self.format.value}
-        return {"format": self.format.value, **{k: v for k, v in self.qweight.storage_tensors().items()}}
+        state = {"format": self.format.value, **{k: v for k, v in self.qweight.storage_tensors().items()}}
+        if self.master_free:
+            state["sr_seed"] = self.sr_seed
+            state["optim_step"] = self.optim_step
+            state.update({f"optim.{k}": v for k, v in self.optim_state.items()})
+        return state
 
     def set_extra_state(self, state) -> None:
         if state.get("format") != self.format.value:
             raise ValueError(
                 f"checkpoint holds format {state.get('format')!r}, this layer is {self.format.value!r}"
             )
-        if self.mode == "frozen":
+        if self.mode == "frozen" or self.master_free:
             for k, v in state.items():
-                if k != "format":
+                if k in ("qdata", "scale", "scale_scale"):
                     getattr(self.qweight, k).copy_(v)
             self.quant_version += 1
+        if self.master_free:
+            if "optim_step" not in state:
+                raise ValueError(
+                    "checkpoint of a master-free QuantLinear lacks 'optim_step' (saved with master='fp32'?)"
+                )
+            self.sr_seed = int(state["sr_seed"])
+            self.optim_step = int(state["optim_step"])
+            dev = self.qweight.qdata.device
+            self.optim_state = {
+                k.removeprefix("optim."): v.to(dev).clone()
+                for k, v in state.items()
+                if k.startswith("optim.")
+            }
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, "
             f"format={self.format.value}, mode={self.mode}, block_size={self.qweight.block_size}"
+            + (", master=none" if self.master_free else "")
         )
 
 
 def _requantize_after_load(module: QuantLinear, _incompatible) -> None:
-    if module.mode == "train":
+    if module.mode == "train" and not module.master_free:
         module.requantize_()
 
 
@@ -274,21 +338,21 @@ def convert_model(model: nn.Module, policy_or_cfg, **policy_kwargs) -> nn.Module
         raise ValueError(
             "convert_model replaces layers inside a model; wrap a lone nn.Linear in a module first"
         )
-    for d in plan(model, pol):
+    for seed, d in enumerate(plan(model, pol)):
         mod = model.get_submodule(d.name)
         if not d.quantized or isinstance(mod, QuantLinear):
             continue
-        new = QuantLinear.from_linear(mod, d.format, pol.weights)
+        new = QuantLinear.from_linear(mod, d.format, pol.weights, sr_seed=seed)
         parent_name, _, child = d.name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
     return model
 
 
 def requantize_model(model: nn.Module) -> int:
-    """Re-quantize every train-mode ``QuantLinear`` of ``model``; returns how many."""
+    """Re-quantize every train-mode ``QuantLinear`` with a master of ``model``; returns how many."""
     n = 0
     for m in model.modules():
-        if isinstance(m, QuantLinear) and m.mode == "train":
+        if isinstance(m, QuantLinear) and m.mode == "train" and not m.master_free:
             m.requantize_()
             n += 1
     return n

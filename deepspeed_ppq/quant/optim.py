@@ -169,7 +169,10 @@ def requantize_after_step(optimizer, model: nn.Module):
     """
     from deepspeed_ppq.quant.linear import QuantLinear
 
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.mode == "train"]
+    # master-free layers (weights.master="none") have no master: quant.master_free.attach_master_free
+    layers = [
+        m for m in model.modules() if isinstance(m, QuantLinear) and m.mode == "train" and not m.master_free
+    ]
     opt = underlying_optimizer(optimizer)
     owned = {id(p) for g in opt.param_groups for p in g["params"]}
     hooked = [m for m in layers if id(m.weight) in owned]

@@ -1,0 +1,260 @@
+"""Master-free low-bit training (``WeightsConfig.master="none"``): only the 8-bit codes are kept.
+
+A master-free ``QuantLinear`` has no fp32 master and no weight ``nn.Parameter``. Per weight value it
+holds the codes (1 B) + block scales, an fp32 gradient buffer (4 B) and AdamW states (8 B fp32, or
+2 B + absmax with 8-bit states): 13 B (7 B) against 16 B for a dense fp32 weight with Adam. Each
+update is dequantize -> AdamW in fp32 (a transient dense copy, one layer at a time) -> re-quantize
+with stochastic rounding (``quant.sr_ops``), so updates smaller than a code step survive in
+expectation (torchao's INT8 quantized training; Zamirai et al., "Revisiting BFloat16 Training").
+
+How it plugs into a training loop, plain or DeepSpeed (DeepSpeed steps only ``nn.Parameter``s):
+
+* Gradient: the layer's autograd Function adds ``grad_y^T x`` into ``layer.weight_grad`` (fp32
+  [out, in], allocated at the first backward), so micro-batches accumulate there as DeepSpeed's
+  gradient accumulation does for parameters (DeepSpeed already scales the loss by 1/GAS).
+* Step: ``attach_master_free(optimizer_or_engine, model)`` hooks the end of the main optimizer's
+  ``step`` (the same hook points as ``requantize_after_step``: a step post-hook on the torch
+  optimizer, or a wrapped ``step`` on a DeepSpeed bf16/ZeRO wrapper). The hook reads ``lr``,
+  ``betas``, ``eps`` and ``weight_decay`` from the main optimizer's first param group at that moment,
+  so LR schedulers apply; AdamW semantics (decoupled weight decay) whatever the main optimizer is.
+* Data parallel: before updating, the gradient buffers are averaged over the engine's data-parallel
+  group (``dp_group``) when it has more than one rank, as DeepSpeed averages parameter gradients. The
+  codes stay identical on every replica: same gradients, same states, same SR seeds.
+* Clipping: DeepSpeed's clip norm does not see these buffers, and the main step has already run when
+  the hook fires, so one global norm over both is not possible without patching DeepSpeed. The
+  buffers are clipped SEPARATELY to ``max_grad_norm`` (from the engine's ``gradient_clipping`` by
+  default) by their own global norm over every pipeline stage (squared norms all-reduced over the
+  world, divided by the data-parallel size: exact without knowing the pipeline group).
+* Zeroing: the hook zeroes the buffers after using them (``optimizer.zero_grad()`` does not see
+  them; ``zero_master_free_grads(model)`` does it by hand, e.g. after a skipped step).
+* Checkpoints: codes, scales, SR seed, step count and optimizer states travel in the layer's
+  ``state_dict`` extra state, so ``torch.save(model.state_dict())`` and DeepSpeed's
+  ``save_checkpoint``/``load_checkpoint`` (module state) carry them with no extra file.
+* Randomness: the SR draw of a layer at step ``t`` is ``(layer.sr_seed, t * numel)``; ``convert_model``
+  numbers the layers it converts, so replicas agree and no two layers share a draw.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deepspeed_ppq.quant.optim import BNB_BLOCK_SIZE, underlying_optimizer
+from deepspeed_ppq.quant.sr_ops import weight_quantize_sr_out
+
+__all__ = [
+    "master_free_layers",
+    "master_free_step",
+    "attach_master_free",
+    "zero_master_free_grads",
+    "master_free_grad_norm",
+    "MIN_8BIT_SIZE",
+]
+
+MIN_8BIT_SIZE = 4096  # as build_optimizer: smaller weights keep fp32 moments
+_QMAPS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _qmaps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """bitsandbytes' signed/unsigned dynamic 8-bit code maps, one pair per device, shared by all layers."""
+    key = str(device)
+    if key not in _QMAPS:
+        import bitsandbytes.functional as bnbf
+
+        _QMAPS[key] = (
+            bnbf.create_dynamic_map(signed=True).to(device),
+            bnbf.create_dynamic_map(signed=False).to(device),
+        )
+    return _QMAPS[key]
+
+
+def master_free_layers(model: nn.Module) -> list:
+    """The master-free ``QuantLinear`` layers of ``model``, in module order."""
+    from deepspeed_ppq.quant.linear import QuantLinear
+
+    return [m for m in model.modules() if isinstance(m, QuantLinear) and m.master_free]
+
+
+def zero_master_free_grads(model_or_layers) -> None:
+    """Zero the gradient buffers (kept allocated: their bytes are part of the steady state)."""
+    layers = model_or_layers if isinstance(model_or_layers, list) else master_free_layers(model_or_layers)
+    for m in layers:
+        if m.weight_grad is not None:
+            m.weight_grad.zero_()
+
+
+def _init_state(layer, state_8bit: bool) -> dict:
+    n = layer.qweight.qdata.numel()
+    dev = layer.qweight.qdata.device
+    shape = tuple(layer.qweight.shape)
+    if state_8bit and n >= MIN_8BIT_SIZE:
+        nb = math.ceil(n / BNB_BLOCK_SIZE)
+        return {
+            "state1": torch.zeros(shape, dtype=torch.uint8, device=dev),
+            "state2": torch.zeros(shape, dtype=torch.uint8, device=dev),
+            "absmax1": torch.zeros(nb, dtype=torch.float32, device=dev),
+            "absmax2": torch.zeros(nb, dtype=torch.float32, device=dev),
+        }
+    return {
+        "exp_avg": torch.zeros(shape, dtype=torch.float32, device=dev),
+        "exp_avg_sq": torch.zeros(shape, dtype=torch.float32, device=dev),
+    }
+
+
+@torch.no_grad()
+def master_free_step(layers, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                     grad_scale: float = 1.0) -> int:
+    """One AdamW step on each master-free layer that has a gradient: dequantize, update, re-quantize (SR).
+
+    Args:
+        layers: master-free ``QuantLinear`` layers.
+        lr, betas, eps, weight_decay: AdamW hyper-parameters (decoupled weight decay).
+        grad_scale: multiplies the gradients (clipping coefficient).
+
+    Returns:
+        How many layers were updated (a layer without a gradient buffer yet is skipped).
+    """
+    b1, b2 = betas
+    done = 0
+    for m in layers:
+        g = m.weight_grad
+        if g is None:
+            continue
+        state_8bit = bool(m.weights_cfg.optimizer_8bit)
+        if not m.optim_state:
+            m.optim_state.update(_init_state(m, state_8bit))
+        st = m.optim_state
+        m.optim_step += 1
+        t = m.optim_step
+        w = m.qweight.dequantize(torch.float32)  # transient fp32 copy of this one layer
+        if "state1" in st:
+            import bitsandbytes.functional as bnbf
+
+            q1, q2 = _qmaps(w.device)
+            bnbf.optimizer_update_8bit_blockwise(
+                "adam", g, w, st["state1"], st["state2"], b1, b2, 0.0, 0.0, eps, t, lr,
+                q1, q2, st["absmax1"], st["absmax2"], weight_decay, grad_scale,
+            )  # fmt: skip
+        else:
+            if grad_scale != 1.0:
+                g = g * grad_scale
+            st["exp_avg"].lerp_(g, 1 - b1)
+            st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+            if weight_decay:
+                w.mul_(1 - lr * weight_decay)
+            denom = (st["exp_avg_sq"].sqrt() / math.sqrt(1 - b2**t)).add_(eps)
+            w.addcdiv_(st["exp_avg"], denom, value=-lr / (1 - b1**t))
+        qw = m.qweight
+        n = w.numel()
+        weight_quantize_sr_out(w, qw.fmt.value, qw.block_size, m.sr_seed, (t * n) % 2**62, qw.qdata, qw.scale)
+        m.quant_version += 1
+        done += 1
+    return done
+
+
+def master_free_grad_norm(layers, dp_world_size: int = 1) -> float:
+    """Global L2 norm of the gradient buffers over every rank (pipeline stages), counted once per replica.
+
+    With a process group: squared norms are summed over the world and divided by ``dp_world_size``
+    (replicas hold equal, already averaged buffers). Every rank must call it (collective)."""
+    sq = torch.zeros((), dtype=torch.float64)
+    for m in layers:
+        if m.weight_grad is not None:
+            sq += m.weight_grad.double().pow(2).sum().cpu()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sq)
+        sq /= dp_world_size
+    return float(sq.sqrt())
+
+
+class _Handle:
+    def __init__(self, undo):
+        self._undo = undo
+
+    def remove(self) -> None:
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
+
+
+def attach_master_free(optimizer, model: nn.Module, *, max_grad_norm: float | None = None, dp_group=None,
+                       dp_world_size: int | None = None):
+    """Update ``model``'s master-free layers at the end of every ``optimizer.step()``.
+
+    Args:
+        optimizer: a torch/bitsandbytes optimizer (its first param group gives lr, betas, eps and
+            weight decay) or a DeepSpeed engine (then also the clip norm and data-parallel group).
+        model: the module holding the layers (``engine.module`` for an engine).
+        max_grad_norm: clip the master-free gradients to this norm (see the module docstring);
+            None: the engine's ``gradient_clipping()`` for an engine, else no clipping; 0: none.
+        dp_group, dp_world_size: average the gradient buffers over this group first; default the
+            engine's data-parallel group; nothing for a plain optimizer.
+
+    Returns:
+        A handle; ``handle.remove()`` detaches the hook.
+
+    Raises:
+        ValueError: ``model`` has no master-free layer, or the optimizer has no param group to read
+            the learning rate from.
+    """
+    layers = master_free_layers(model)
+    if not layers:
+        raise ValueError("attach_master_free: the model has no QuantLinear with weights.master='none'")
+    engine = optimizer if hasattr(optimizer, "basic_optimizer") and hasattr(optimizer, "module") else None
+    opt = underlying_optimizer(optimizer)
+    if not opt.param_groups:
+        raise ValueError(f"attach_master_free: {type(opt).__name__} has no param group to read lr from")
+    if engine is not None:
+        if max_grad_norm is None:
+            max_grad_norm = float(engine.gradient_clipping() or 0.0)
+        if dp_group is None and getattr(engine, "dp_world_size", 1) > 1:
+            dp_group = getattr(engine, "seq_data_parallel_group", None) or engine.data_parallel_group
+        if dp_world_size is None:
+            dp_world_size = int(getattr(engine, "dp_world_size", 1))
+    dp_world_size = dp_world_size or (dist.get_world_size(dp_group) if dp_group is not None else 1)
+
+    def _update(*_args):
+        with torch.no_grad():
+            if dp_group is not None and dp_world_size > 1:
+                for m in layers:
+                    if m.weight_grad is not None:
+                        dist.all_reduce(m.weight_grad, group=dp_group)
+                        m.weight_grad.div_(dp_world_size)
+            scale = 1.0
+            if max_grad_norm:
+                norm = master_free_grad_norm(layers, dp_world_size)
+                scale = min(1.0, max_grad_norm / (norm + 1e-6))
+            g0 = opt.param_groups[0]
+            master_free_step(layers, float(g0["lr"]), tuple(g0.get("betas", (0.9, 0.999))),
+                             float(g0.get("eps", 1e-8)), float(g0.get("weight_decay", 0.0)), scale)
+            zero_master_free_grads(layers)
+
+    owned = {id(p) for g in opt.param_groups for p in g["params"]}
+    model_params = [p for p in model.parameters() if p.requires_grad]
+    if not model_params or any(id(p) in owned for p in model_params):
+        h = opt.register_step_post_hook(_update)
+        return _Handle(h.remove)
+    # a DeepSpeed bf16/fp16/ZeRO wrapper steps flat fp32 copies: follow its own step
+    wrapper = getattr(optimizer, "optimizer", None) if engine is not None else optimizer
+    stepless = not callable(getattr(wrapper, "step", None))
+    if wrapper is None or isinstance(wrapper, torch.optim.Optimizer) or stepless:
+        raise ValueError(
+            f"attach_master_free: {type(opt).__name__} updates none of the model's parameters; pass the "
+            "optimizer (or DeepSpeed engine) that trains this model"
+        )
+    orig = wrapper.step
+
+    def step(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        _update()
+        return out
+
+    wrapper.step = step
+
+    def undo():
+        wrapper.step = orig
+
+    return _Handle(undo)
