@@ -30,6 +30,16 @@ Categories (dotted; ``MemoryLedger.groups()`` sums by the first part):
                                    distinct low-bit weight shape and compute dtype
 =================================  ============================================================
 
+Master-free layers (``WeightsConfig.master="none"``, ``quant.master_free``): codes + scales, no
+``master_weights``; their fp32 gradient buffer is under ``gradients`` (4 B/value, kept allocated
+between steps) and their AdamW moments under the ``optimizer.*`` categories: fp32 (8 B/value) or,
+with ``optimizer_8bit`` and at least 4096 values, 8-bit (2 B/value + ``absmax``), plus one pair of
+shared code maps (``optimizer.qmap``) per device. The step count is a Python int (no
+``optimizer.step`` bytes). Per value with int8, block 64, fp32 scales: 1.0625 + 4 + 8 = 13.06 B
+(fp32 moments) or 7.09 B (8-bit moments), against 16 B for a dense fp32 layer with Adam.
+Per layer, for the planner: ``ledger_from_shapes([ParamSpec(name, shape, "int8", master="none")],
+WeightsConfig(master="none", optimizer_8bit=...), optimizer=...)``.
+
 Accounting of a "train"-mode low-bit layer with fp32 Adam, per weight element: master 4 B +
 gradient 4 B + Adam 8 B + codes (1 B int8, 0.5 B int4) + scales; the dense fp32 layer has 16 B.
 The low-bit compute copy pays off with 8-bit states (-6 B), in "frozen" mode (codes + scales
@@ -152,7 +162,9 @@ class ParamSpec:
     """One parameter tensor of a model description.
 
     ``format`` is the low-bit storage of a weight (``none``: dense); ``mode`` is ``"train"``
-    (fp32 master, trained) or ``"frozen"`` (low-bit base only; add ``lora`` adapters).
+    (trained) or ``"frozen"`` (low-bit base only; add ``lora`` adapters); ``master`` is ``"fp32"``
+    (an fp32 master weight) or ``"none"`` (master-free: codes updated in place), train mode only.
+    None takes the ``WeightsConfig``'s.
     """
 
     name: str
@@ -161,6 +173,7 @@ class ParamSpec:
     dtype: torch.dtype = torch.float32
     trainable: bool = True
     mode: str = "train"
+    master: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -173,6 +186,13 @@ class ParamSpec:
             ) from None
         if self.mode not in ("train", "frozen"):
             raise ValueError(f"ledger entry {self.name!r}: mode={self.mode!r}; use 'train' or 'frozen'")
+        if self.master not in (None, "fp32", "none"):
+            raise ValueError(f"ledger entry {self.name!r}: master={self.master!r}; use 'fp32' or 'none'")
+        if self.master == "none" and (self.mode != "train" or self.format.value in ("int4", "nf4", "none")):
+            raise ValueError(
+                f"ledger entry {self.name!r}: master='none' needs mode='train' and an 8-bit format "
+                f"(int8, fp8_e4m3, fp8_e5m2), got mode={self.mode!r}, format={self.format.value!r}"
+            )
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
 
 
@@ -214,9 +234,12 @@ def ledger_from_shapes(
     Returns:
         The ``MemoryLedger``.
     """
+    from deepspeed_ppq.quant.master_free import MIN_8BIT_SIZE
+
     cfg = weights_cfg or WeightsConfig()
     led = MemoryLedger()
     trained: list[tuple[int, torch.dtype]] = []
+    master_free: list[int] = []
     low_bit_shapes: set[tuple[int, ...]] = set()
     for e in entries:
         s = _as_spec(e)
@@ -233,7 +256,10 @@ def ledger_from_shapes(
         ).items():
             led.add(f"weights.{s.format.value}.{part}", b)
         mode = s.mode if isinstance(e, ParamSpec) else cfg.mode
-        if mode == "train":
+        master = (s.master if isinstance(e, ParamSpec) else None) or cfg.master
+        if mode == "train" and master == "none":
+            master_free.append(n)
+        elif mode == "train":
             led.add("master_weights", n * 4)
             trained.append((n, torch.float32))
         else:
@@ -242,7 +268,15 @@ def ledger_from_shapes(
                 led.add("weights.dense.float32", lora_n * 4)
                 trained.append((lora_n, torch.float32))
     if gradients:
-        led.add("gradients", sum(n * dt.itemsize for n, dt in trained))
+        led.add("gradients", sum(n * dt.itemsize for n, dt in trained) + 4 * sum(master_free))
+    if optimizer is not None and master_free:
+        mf_kind = "adamw8bit" if cfg.optimizer_8bit else "adamw"
+        for n in master_free:
+            for k, b in optimizer_state_bytes(n, torch.float32, mf_kind, 0.0, MIN_8BIT_SIZE).items():
+                if k != "optimizer.step":  # a Python int on the layer
+                    led.add(k, b)
+        for k, b in optimizer_shared_bytes(mf_kind, master_free, MIN_8BIT_SIZE).items():
+            led.add(k, b)
     if optimizer is not None:
         for n, dt in trained:
             for k, b in optimizer_state_bytes(n, dt, optimizer, momentum, min_8bit_size).items():
@@ -276,7 +310,10 @@ def _model_specs(model: nn.Module, weights_cfg, **policy_kwargs) -> tuple[list[P
     for mname, mod in model.named_modules():
         if isinstance(mod, QuantLinear):
             shape = (mod.out_features, mod.in_features)
-            specs.append(ParamSpec(f"{mname}.weight", shape, mod.format, torch.float32, True, mod.mode))
+            master = "none" if mod.master_free else "fp32" if mod.mode == "train" else None
+            specs.append(
+                ParamSpec(f"{mname}.weight", shape, mod.format, torch.float32, True, mod.mode, master)
+            )
             if mod.mode == "frozen":
                 # the adapters are added by ledger_from_shapes from the base shape and lora_rank
                 seen.update((id(mod.lora_A), id(mod.lora_B)))
@@ -375,11 +412,15 @@ def measure_storage(model: nn.Module, optimizer=None) -> MemoryLedger:
         led.add(cat, st.nbytes())
 
     params: list[nn.Parameter] = []
+    mf_states: list[tuple[str, torch.Tensor]] = []
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
             for name, t in mod.qweight.storage_tensors().items():
                 count(f"weights.{mod.format.value}.{'codes' if name == 'qdata' else 'scales'}", t)
-            if mod.mode == "train":
+            if mod.master_free:
+                count("gradients", mod.weight_grad)
+                mf_states.extend(mod.optim_state.items())
+            elif mod.mode == "train":
                 count("master_weights", mod.weight)
                 params.append(mod.weight)
         for p in mod.parameters(recurse=False):
@@ -399,6 +440,22 @@ def measure_storage(model: nn.Module, optimizer=None) -> MemoryLedger:
     for (shape, _dtype, device), t in workspace_tensors().items():
         if (shape, device) in shapes:
             count("workspace", t)
+    if mf_states:  # master-free layers' own AdamW states (+ the shared 8-bit code maps of their device)
+        from deepspeed_ppq.quant.master_free import _QMAPS
+
+        devices = set()
+        for key, t in mf_states:
+            if key.startswith("absmax"):
+                cat = "optimizer.absmax"
+            elif t.dtype == torch.uint8:
+                cat = "optimizer.state_8bit"
+                devices.add(str(t.device))
+            else:
+                cat = "optimizer.state"
+            count(cat, t)
+        for dev in devices:
+            for t in _QMAPS.get(dev, ()):
+                count("optimizer.qmap", t)
     if optimizer is not None:
         opt = underlying_optimizer(optimizer)
         for state in opt.state.values():

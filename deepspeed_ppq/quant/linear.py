@@ -32,6 +32,7 @@ process keeps one dense buffer per distinct low-bit weight shape and compute dty
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -138,7 +139,7 @@ class QuantLinear(nn.Module):
         weights_cfg: block size, scale dtype, double quantization, FP8 scale, mode and LoRA settings.
         weight: initial weight [out, in] (default: ``nn.Linear``'s init).
         sr_seed: master-free only: the stochastic-rounding seed of this layer (``convert_model``
-            numbers its layers 0, 1, ...), in [0, 2^32).
+            uses the CRC-32 of the layer's name), in [0, 2^32).
     """
 
     def __init__(
@@ -338,11 +339,13 @@ def convert_model(model: nn.Module, policy_or_cfg, **policy_kwargs) -> nn.Module
         raise ValueError(
             "convert_model replaces layers inside a model; wrap a lone nn.Linear in a module first"
         )
-    for seed, d in enumerate(plan(model, pol)):
+    for d in plan(model, pol):
         mod = model.get_submodule(d.name)
         if not d.quantized or isinstance(mod, QuantLinear):
             continue
-        new = QuantLinear.from_linear(mod, d.format, pol.weights, sr_seed=seed)
+        # master-free SR seed from the layer's name: the same on data-parallel replicas and whatever
+        # the pipeline split (a PipelineModule names its layers by global index, as nn.Sequential)
+        new = QuantLinear.from_linear(mod, d.format, pol.weights, sr_seed=zlib.crc32(d.name.encode()))
         parent_name, _, child = d.name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
     return model

@@ -31,7 +31,7 @@ How it plugs into a training loop, plain or DeepSpeed (DeepSpeed steps only ``nn
   ``state_dict`` extra state, so ``torch.save(model.state_dict())`` and DeepSpeed's
   ``save_checkpoint``/``load_checkpoint`` (module state) carry them with no extra file.
 * Randomness: the SR draw of a layer at step ``t`` is ``(layer.sr_seed, t * numel)``; ``convert_model``
-  numbers the layers it converts, so replicas agree and no two layers share a draw.
+  seeds each layer with the CRC-32 of its name, so replicas and pipeline splits agree.
 """
 
 from __future__ import annotations
