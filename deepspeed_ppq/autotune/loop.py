@@ -334,6 +334,12 @@ def _run_plan(spec: TuneSpec, plan: Plan, train_ds, val_ds) -> dict:
     }
     # initialize wires the re-quantization of train-mode low-bit layers after every optimizer step
     engine, _, _, _ = deepspeed_ppq.initialize(model=module, optimizer=opt, config=ds_cfg)
+    if plan.master_free and any(getattr(m, "master_free", False) for m in module.modules()):
+        # master-free layers are updated from their gradient buffers after each main optimizer step
+        from deepspeed_ppq.quant.master_free import attach_master_free
+
+        if getattr(engine, "ppq_master_free_handle", None) is None:
+            engine.ppq_master_free_handle = attach_master_free(engine, module)
     instr_time: dict[str, float] = {}
 
     def timed(name, fn):
