@@ -65,3 +65,41 @@ def test_ppq_tune_two_ranks(tmp_path):
 def test_autotune_rejects_unknown_spec_field():
     with pytest.raises(TypeError, match="no_such_field"):
         autotune({"no_such_field": 1})
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ppq_tune_master_free_two_ranks(tmp_path):
+    """Under a budget where fp32 masters force recomputation, the planner keeps only int8 codes
+    (weights.master='none'); the engine runs that plan with no master and the static memory the
+    planner predicted."""
+    from deepspeed_ppq.autotune.loop import master_free_supported
+
+    if not master_free_supported():
+        pytest.skip("deepspeed_ppq.quant has no master-free QuantLinear")
+    spec = {
+        "model": {"vocab_size": 512, "seq_len": 64, "d_model": 128, "n_layers": 4, "n_heads": 4},
+        "global_batch": 8,
+        "micro_batch_sizes": [1, 2, 4, 8],
+        "pipeline_degrees": [2],
+        "formats": ["int8"],
+        "master_free": True,
+        "optimizer_8bit": False,
+        "weights": {"keep_first_blocks": 0, "keep_last_blocks": 0},
+        "memory_budget": int(8.0 * 2**20),
+        "trial_steps": 3,
+        "warmup_steps": 1,
+        "val_batches": 1,
+        "profile_reps": 3,
+        "corpus_bytes": 300_000,
+        "out_dir": str(tmp_path / "out"),
+    }
+    result = autotune(spec, nproc=2)
+    first = result["iterations"][0]
+    assert first["plan"]["master_free"], first["plan"]
+    assert first["plan"]["derived"]["deepspeed"]["ppq"]["weights"]["master"] == "none"
+    assert any(f == "int8" for s in first["plan"]["stages"] for f in s["formats"])
+    for st in first["run"]["stages"]:
+        assert st["measured_memory"]["master"] == 0
+        for cat in ("weights", "gradients", "optimizer"):
+            assert st["measured_memory"][cat] == pytest.approx(st["predicted_memory"][cat], rel=0.01), cat
