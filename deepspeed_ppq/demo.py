@@ -52,8 +52,8 @@ def demo_settings(quick: bool = False, scale: int = 1) -> dict:
         return {"model": model, "stages": 2, "global_batch": 8, "train_steps": 6, "eval_batches": 2,
                 "max_bytes": 400_000, "lr": 2e-3, "micro_batch_sizes": [1, 2, 4, 8], "seed": 0}
     d = 256 if scale == 1 else min(1024, 256 * int(round(math.sqrt(scale))))
-    model = {"vocab_size": 512, "seq_len": 128, "d_model": d, "n_heads": max(4, d // 64), "n_layers": 8}
-    return {"model": model, "stages": 2, "global_batch": 16, "train_steps": 40 * scale,
+    model = {"vocab_size": 512, "seq_len": 64, "d_model": d, "n_heads": max(4, d // 64), "n_layers": 8}
+    return {"model": model, "stages": 2, "global_batch": 16, "train_steps": 60 * scale,
             "eval_batches": 8, "max_bytes": 2_000_000, "lr": 1e-3, "micro_batch_sizes": [1, 2, 4, 8, 16],
             "seed": 0}
 
@@ -117,23 +117,23 @@ def run_worker(job_path: str) -> int:
     train, val, _ = build_token_datasets(seq_len=cfg.seq_len, vocab_size=cfg.vocab_size,
                                          max_bytes=job["max_bytes"])
     rss0 = _rss_bytes()
-    ckpt = int(ds_cfg.get("pipeline", {}).get("activation_checkpoint_interval", 0))
+    # The tuned plan recomputes per stage (``pipeline.recompute_stages``, applied by ``initialize``);
+    # the stock baseline uses DeepSpeed's own ``activation_checkpoint_interval`` (all stages alike).
+    listed = ds_cfg.get("pipeline", {}).get("recompute_stages")  # stage indices, as the plan writes them
+    # one flag per stage (initialize reads an empty index list as a malformed flag list)
+    recompute = None if listed is None else [s in listed for s in range(job["stages"])]
+    pipe = ds_cfg.get("pipeline", {})
+    ckpt = 0 if listed is not None else int(pipe.get("activation_checkpoint_interval", 0))
+    # from_config applies ppq.weights to this stage's Linear layers (global block indices).
     module = PPQPipelineModule.from_config(gpt_layers(cfg, job["seed"]), job["stages"], ds_cfg,
                                            loss_fn=gpt_loss, activation_checkpoint_interval=ckpt,
                                            checkpointable_layers=["BlockPipe"])  # not the embedding
-    if ppq.weights.format.value != "none" or ppq.weights.rules:
-        from deepspeed_ppq.quant import convert_model
-
-        convert_model(module, ppq.weights)
     from deepspeed_ppq.quant import build_optimizer
 
     opt = build_optimizer(module.parameters(), "adamw8bit" if ppq.weights.optimizer_8bit else "adamw",
                           lr=job["lr"])
-    engine, _, _, _ = initialize(model=module, optimizer=opt, config=ds_cfg)
-    if any(type(m).__name__ == "QuantLinear" for m in module.modules()):
-        from deepspeed_ppq.quant import requantize_after_step
-
-        requantize_after_step(engine, engine.module)
+    # initialize: per-stage recompute from the config, re-quantization after every optimizer step.
+    engine, _, _, _ = initialize(model=module, optimizer=opt, config=ds_cfg, recompute_stages=recompute)
     events: list = []
     recording = [False]
     _timed_instruction_map(engine, events, recording)
@@ -335,8 +335,9 @@ def deepspeed_config_for(plan, baseline: bool) -> dict:
     """The DeepSpeed config JSON that runs ``plan`` (``baseline``: stock DeepSpeed partitioning)."""
     cfg = plan.deepspeed_config()
     cfg["steps_per_print"] = 10**6
-    if baseline:  # stock DeepSpeed: its own 'parameters' partition, fp32 weights, no codecs
+    if baseline:  # stock DeepSpeed: its own 'parameters' partition and checkpointing, fp32, no codecs
         cfg["ppq"] = {"partition": {"method": "parameters"}}
+        cfg["pipeline"].pop("recompute_stages", None)
     return cfg
 
 
