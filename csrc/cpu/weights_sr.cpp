@@ -175,8 +175,9 @@ void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t i0 = b * B, i1 = std::min(n, (b + 1) * B);
-    bool bad;
-    const float s = stored_scale(block_absmax(xp, xbf, i0, i1, &bad), bad, qmax, sbf);
+    bool bad = false;
+    const float absmax = block_absmax(xp, xbf, i0, i1, &bad);  // sets bad: sequence before use
+    const float s = stored_scale(absmax, bad, qmax, sbf);
     put_scale(b, s);
     encode(xp, xbf, i0, i1, s, f, off, key, cp);
   }
