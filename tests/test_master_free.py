@@ -352,11 +352,27 @@ def _ds_rank() -> None:
     if rank == 0:
         out["pipe_reference"], _ = reference(batches, micro=2)
 
-    # 2. data parallel over both ranks: each rank one half of the batch; buffers averaged
+    write_result(out)
+
+
+def _dp_rank() -> None:
+    """Data parallel over both ranks (a plain DeepSpeedEngine): each rank one half of the batch."""
+    import os
+
+    import deepspeed
+    from dist_utils import write_result
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = int(os.environ["RANK"])
+    wcfg = WeightsConfig(format="int8", master="none", keep_first_blocks=0, keep_last_blocks=1)
+    torch.manual_seed(0)
+    batches = [torch.randint(0, 64, (4, 16)) for _ in range(3)]
+    out = {"rank": rank}
     torch.manual_seed(0)
     model = convert_model(GPT(CFG), wcfg, block_layers=BLOCKS)
     dopt = build_optimizer(model.parameters(), "adam", lr=1e-2)
-    dcfg = {**ds_base, "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2}
+    dcfg = {"steps_per_print": 10**6, "gradient_clipping": 0.0, "train_batch_size": 4,
+            "train_micro_batch_size_per_gpu": 2}
     dengine, *_ = deepspeed.initialize(model=model, optimizer=dopt, config=dcfg)
     attach_master_free(dengine, dengine.module)
     dp_losses = []
@@ -368,14 +384,22 @@ def _ds_rank() -> None:
         dp_losses.append(loss.item())
     out["dp_losses"] = dp_losses
     out["dp_codes"] = [m.qweight.qdata.tolist() for m in master_free_layers(dengine.module)]
+    out["dp_world"] = dengine.dp_world_size
     if rank == 0:
-        _, ref = reference(batches, micro=1)
+        torch.manual_seed(0)
+        ref = convert_model(GPT(CFG), wcfg, block_layers=BLOCKS)
+        ropt = build_optimizer(ref.parameters(), "adam", lr=1e-2)
+        attach_master_free(ropt, ref)
+        for b in batches:
+            ropt.zero_grad(set_to_none=True)
+            gpt_loss(ref(b), b).backward()
+            ropt.step()
         out["dp_reference_codes"] = [m.qweight.qdata.tolist() for m in master_free_layers(ref)]
     write_result(out)
 
 
 @pytest.mark.distributed
-def test_deepspeed_pipeline_and_data_parallel_match_one_process():
+def test_deepspeed_pipeline_matches_one_process():
     from dist_utils import run_ranks
 
     r0, r1 = run_ranks(__file__, 2, ["--ds-rank"], timeout=300)
@@ -389,6 +413,14 @@ def test_deepspeed_pipeline_and_data_parallel_match_one_process():
     torch.testing.assert_close(torch.tensor(r0["pipe_losses"]), torch.tensor(r0["pipe_reference"]),
                                rtol=1e-4, atol=1e-5)
     assert r0["pipe_losses"][-1] < r0["pipe_losses"][0]
+
+
+@pytest.mark.distributed
+def test_deepspeed_data_parallel_matches_one_process():
+    from dist_utils import run_ranks
+
+    r0, r1 = run_ranks(__file__, 2, ["--dp-rank"], timeout=300)
+    assert r0["dp_world"] == 2
     # data parallel: both replicas hold the same codes, equal to one process on the whole batch
     assert r0["dp_codes"] == r1["dp_codes"]
     dp = torch.tensor(sum(r0["dp_codes"], []))
@@ -400,3 +432,5 @@ def test_deepspeed_pipeline_and_data_parallel_match_one_process():
 
 if __name__ == "__main__" and "--ds-rank" in sys.argv:
     _ds_rank()
+if __name__ == "__main__" and "--dp-rank" in sys.argv:
+    _dp_rank()
