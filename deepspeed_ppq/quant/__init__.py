@@ -7,6 +7,8 @@ the memory ledger and optimizers with 8-bit states.
 * ``policy``: ``PrecisionPolicy``, ``plan``, ``explain`` (which layer gets which format).
 * ``ledger``: ``MemoryLedger``, ``ledger_from_model``, ``ledger_from_shapes``, ``measure_storage``.
 * ``optim``: ``build_optimizer`` (adam, adamw, adam8bit, adamw8bit, sgd), ``requantize_after_step``.
+* ``master_free``: ``attach_master_free`` for ``weights.master="none"`` (only 8-bit codes are kept;
+  AdamW on the dequantized weight, then stochastic-rounding re-quantization, ``sr_ops``).
 
 Typical use (a DeepSpeed ``PipelineModule`` whose layers 1..n are transformer blocks)::
 
@@ -19,6 +21,9 @@ Typical use (a DeepSpeed ``PipelineModule`` whose layers 1..n are transformer bl
     requantize_after_step(engine, engine.module)             # compute copies follow the masters
     ...
     print(measure_storage(engine).table())                   # the same categories, measured
+
+Master-free (``WeightsConfig(format="int8", master="none")``): after ``deepspeed.initialize``, call
+``attach_master_free(engine, engine.module)`` instead of ``requantize_after_step``.
 """
 
 from deepspeed_ppq.quant.formats import QuantizedWeight, quantize_weight
@@ -38,6 +43,7 @@ from deepspeed_ppq.quant.linear import (
     requantize_model,
     workspace_tensors,
 )
+from deepspeed_ppq.quant.master_free import attach_master_free, master_free_layers, zero_master_free_grads
 from deepspeed_ppq.quant.optim import OPTIMIZER_KINDS, build_optimizer, optimizer_kind, requantize_after_step
 from deepspeed_ppq.quant.policy import LayerDecision, PrecisionPolicy, as_policy, block_index, explain, plan
 
@@ -66,4 +72,7 @@ __all__ = [
     "build_optimizer",
     "optimizer_kind",
     "requantize_after_step",
+    "attach_master_free",
+    "master_free_layers",
+    "zero_master_free_grads",
 ]
