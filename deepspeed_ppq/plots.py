@@ -117,7 +117,7 @@ def _plots(out: Path, runs: dict[str, list[dict]], summaries: dict[str, dict],
     written.append("timeline.png")
 
     cats = ["weights", "master", "gradients", "optimizer", "activations", "buffers"]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(10, 4))
     labels, x = [], 0
     for name, s in summaries.items():
         for st in s["stages"]:
@@ -135,7 +135,7 @@ def _plots(out: Path, runs: dict[str, list[dict]], summaries: dict[str, dict],
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylabel("MiB")
     ax.set_title("Per-stage memory by category (bars: predicted peak)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, not on them
     fig.tight_layout()
     fig.savefig(out / "memory.png", dpi=110)
     plt.close(fig)
