@@ -61,6 +61,26 @@ def test_cpp_equals_reference_bit_for_bit(fmt, dtype, per_tensor):
         assert torch.equal(s, s_ref)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", SR_FORMATS)
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_cuda_kernel_equals_reference(fmt, per_tensor):
+    """csrc/cuda/weights_sr.cu gives the reference's codes and scales bit for bit."""
+    if per_tensor and fmt == "int8":
+        pytest.skip("per-tensor scales are fp8-only")
+    if not has_kernel("weight_quantize_sr_out", "cuda"):
+        pytest.skip("the CUDA extension is not built")
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(300, 77) * torch.rand(300, 1) * 5).to(dtype)
+        x[0, :70] = 0
+        c, s = weight_quantize_sr(x.cuda(), fmt, 128, 99, 2**33 + 1, scale_dtype=dtype, per_tensor=per_tensor)
+        c_ref, s_ref = torch.empty_like(c.cpu()), torch.empty_like(s.cpu())
+        _quantize_sr_out_ref(x, fmt, 128, 99, 2**33 + 1, c_ref, s_ref)
+        assert torch.equal(c.cpu().view(torch.uint8), c_ref.view(torch.uint8))
+        assert torch.equal(s.cpu(), s_ref)
+
+
 def test_opcheck():
     x = torch.randn(3, 50)
     codes, scales = torch.empty(150, dtype=torch.int8), torch.empty(3)

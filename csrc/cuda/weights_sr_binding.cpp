@@ -1,0 +1,62 @@
+// Torch binding of csrc/cuda/weights_sr.cu: ppq::weight_quantize_sr_out on CUDA tensors.
+// Built only where PyTorch has CUDA (setup.py). Checks mirror csrc/cpu/weights_sr.cpp.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace ppq_cuda {
+cudaError_t weight_quantize_sr(const void* x, bool x_bf16, int64_t n, int fmt, int64_t B, uint8_t* codes,
+                               void* scales, bool scale_bf16, bool per_tensor, uint32_t seed, uint64_t offset,
+                               uint32_t* gmax_scratch, cudaStream_t stream);
+}  // namespace ppq_cuda
+
+namespace {
+
+int parse_sr_fmt(std::string_view f) {
+  if (f == "int8") return 0;
+  if (f == "fp8_e4m3") return 1;
+  if (f == "fp8_e5m2") return 2;
+  TORCH_CHECK(false, "fmt='", std::string(f),
+              "' has no stochastic-rounding quantizer: use int8, fp8_e4m3 or fp8_e5m2");
+}
+at::ScalarType sr_code_type(int f) { return f == 0 ? at::kChar : f == 1 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2; }
+
+void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B, int64_t seed, int64_t offset,
+                            at::Tensor& codes, at::Tensor& scales) {
+  const int f = parse_sr_fmt(fmt);
+  TORCH_CHECK(B >= 16 && B <= 4096 && (B & (B - 1)) == 0, "block_size=", B,
+              " is not allowed: use a power of two in [16, 4096]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x has dtype ",
+              x.scalar_type(), "; allowed: Float (fp32) or BFloat16");
+  TORCH_CHECK(x.is_contiguous() && x.is_cuda(), "x must be a contiguous CUDA tensor");
+  TORCH_CHECK(seed >= 0 && seed <= 0xffffffffLL, "seed=", seed, " is not allowed: use [0, 2^32)");
+  TORCH_CHECK(offset >= 0, "offset=", offset, " is not allowed: use a non-negative counter");
+  const int64_t n = x.numel();
+  TORCH_CHECK(n > 0, "x is empty");
+  const int64_t nb = (n + B - 1) / B;
+  TORCH_CHECK(codes.scalar_type() == sr_code_type(f) && codes.is_contiguous() && codes.is_cuda() &&
+                  codes.numel() == n,
+              "codes must be a contiguous CUDA ", sr_code_type(f), " tensor of ", n, " elements, got ",
+              codes.scalar_type(), " with ", codes.numel());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16, "scales has dtype ",
+              scales.scalar_type(), "; allowed: Float or BFloat16");
+  const bool per_tensor = scales.numel() == 1 && nb > 1;
+  TORCH_CHECK(scales.is_contiguous() && scales.is_cuda() && (scales.numel() == nb || (per_tensor && f != 0)),
+              "scales has ", scales.numel(), " elements; ", n, " values in blocks of ", B, " need ", nb);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor scratch = at::empty({1}, x.options().dtype(at::kInt));
+  auto err = ppq_cuda::weight_quantize_sr(
+      x.data_ptr(), x.scalar_type() == at::kBFloat16, n, f, B, static_cast<uint8_t*>(codes.data_ptr()),
+      scales.data_ptr(), scales.scalar_type() == at::kBFloat16, per_tensor, static_cast<uint32_t>(seed),
+      static_cast<uint64_t>(offset), static_cast<uint32_t*>(scratch.data_ptr()), at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "weight_quantize_sr CUDA kernel failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ppq, CUDA, m) { m.impl("weight_quantize_sr_out", &weight_quantize_sr_out); }
