@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 import warnings
 
@@ -76,6 +77,15 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def _loadavg() -> str:
+    """1/5/15-minute load averages: the CPU is shared, so say how busy it was."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "unknown"
 
 
 def _bnb():
@@ -164,6 +174,7 @@ def main(argv=None) -> dict:
     assert native_status()["_C"] == "loaded", f"C++ extension: {native_status()['_C']} (run `make build`)"
     assert all(has_kernel(n) for n in ("weight_quantize_out", "weight_dequantize_out"))
     F, bnb_version = _bnb()
+    load_start = _loadavg()
     shape, block, reps = (args.rows, args.cols), args.block, args.reps
     results = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -174,9 +185,10 @@ def main(argv=None) -> dict:
     meta = {
         "shape": list(shape), "block_size": block, "reps": reps, "ref_reps": args.ref_reps,
         "torch": torch.__version__, "bitsandbytes": bnb_version, "threads": torch.get_num_threads(),
-        "cpu": _cpu_model(), "cores": os.cpu_count(),
+        "cpu": _cpu_model(), "cores": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": _loadavg(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python benchmarks/ops/bench_weights.py " + " ".join(argv if argv is not None else []),
+        "command": " ".join(["python benchmarks/ops/bench_weights.py", *(sys.argv[1:] if argv is None
+                                                                            else argv)]),
     }
     md = _table(results, meta)
     print(md)
@@ -194,7 +206,8 @@ def _table(results, meta) -> str:
         f"# bench_weights: {meta['shape'][0]}x{meta['shape'][1]} weight, block {meta['block_size']}",
         "",
         f"torch {meta['torch']}, bitsandbytes {meta['bitsandbytes']}, {meta['cpu']}, {meta['cores']} cores, "
-        f"{meta['threads']} threads, {meta['date']}. Median of {meta['reps']} "
+        f"{meta['threads']} threads, {meta['date']}, load average {meta['loadavg_start']} at the start and "
+        f"{meta['loadavg_end']} at the end. Median of {meta['reps']} "
         f"(references: {meta['ref_reps']}). "
         "Every C++ result was checked bit for bit against the reference first.",
         "GB/s = full-precision bytes / time; x copy = time of copying the same fp bytes / op time "
