@@ -103,3 +103,20 @@ def test_quick_demo_end_to_end(tmp_path):
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
     assert "| samples/s (measured) |" in (tmp_path / "report.md").read_text()
+
+
+def test_e2e_check_run_catches_a_run_that_left_its_plan():
+    from bench_e2e import check_run
+
+    plan = SimpleNamespace(boundaries=[0, 3, 6], micro_batch_size=2, layer_formats=["none"] * 6)
+    settings = {"global_batch": 8}
+    ranks = [{"parts": [0, 3, 6], "weight_formats": [], "losses": [6.0, 5.5, 5.2, 5.0]}] * 2
+    summary = {"global_batch": 8, "micro_batch": 2}
+    check_run("ok", plan, ranks, summary, settings)  # no error
+    with pytest.raises(SystemExit, match=r"moved: ran partition \[0, 4, 6\], planned \[0, 3, 6\]"):
+        check_run("moved", plan, [{**ranks[0], "parts": [0, 4, 6]}] * 2, summary, settings)
+    with pytest.raises(SystemExit, match="int8: QuantLinear layers"):
+        check_run("int8", SimpleNamespace(**{**vars(plan), "layer_formats": ["int8"] * 6}), ranks, summary,
+                  settings)
+    with pytest.raises(SystemExit, match="flat: training did not lower the loss"):
+        check_run("flat", plan, [{**ranks[0], "losses": [5.0, 5.1, 5.2, 5.3]}] * 2, summary, settings)
