@@ -130,10 +130,15 @@ def run_worker(job_path: str) -> int:
                                            checkpointable_layers=["BlockPipe"])  # not the embedding
     from deepspeed_ppq.quant import build_optimizer
 
-    opt = build_optimizer(module.parameters(), "adamw8bit" if ppq.weights.optimizer_8bit else "adamw",
-                          lr=job["lr"])
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = build_optimizer(params, "adamw8bit" if ppq.weights.optimizer_8bit else "adamw", lr=job["lr"])
     # initialize: per-stage recompute from the config, re-quantization after every optimizer step.
     engine, _, _, _ = initialize(model=module, optimizer=opt, config=ds_cfg, recompute_stages=recompute)
+    if ppq.weights.master == "none" and any(getattr(m, "master_free", False) for m in module.modules()):
+        # master-free low-bit layers (no fp32 copy) are updated from their gradients after each step
+        from deepspeed_ppq.quant.master_free import attach_master_free
+
+        engine.ppq_master_free_handle = attach_master_free(engine, module)
     events: list = []
     recording = [False]
     _timed_instruction_map(engine, events, recording)
@@ -196,6 +201,8 @@ def run_worker(job_path: str) -> int:
         "events": [(n, a - t_base, b - t_base) for n, a, b in events],
         "memory": {"ledger": ledger.to_dict(), "rss_before_model": rss0, "peak_rss": peak_rss},
         "wire": {f"{b}.{d}": v for (b, d), v in stats.items()},
+        "recomputed_layers": list(getattr(module, "ppq_recomputed", [])),
+        "master_free_layers": sum(bool(getattr(m, "master_free", False)) for m in module.modules()),
         "weight_formats": sorted({type(m).__name__ + ":" + str(getattr(m, "format", "")).split(".")[-1]
                                   for m in module.modules() if type(m).__name__ == "QuantLinear"}),
     }
@@ -309,10 +316,15 @@ def tune(settings: dict, budget_mb: float | None, out: Path) -> dict:
     codecs = profiler.profile_codecs(_ACT_CODECS, (mbs[-1], cfg.seq_len, cfg.d_model), reps=3)
     by_cfg = {json.dumps(c.as_dict, sort_keys=True): c for c in codecs}
     grads = [by_cfg[json.dumps(c, sort_keys=True)] for c in _GRAD_CODECS]
+    from deepspeed_ppq.autotune.loop import master_free_supported
+
+    # master-free int8 (the codes are the only weight copy) is what frees memory on an fp32 CPU run
     prob = PlanningProblem(layers=profiles, world_size=settings["stages"],
                            global_batch=settings["global_batch"], micro_batch_sizes=mbs,
                            pipeline_degrees=[settings["stages"]], activation_codecs=codecs,
-                           gradient_codecs=grads, optimizer_8bit=[False, True], link=LinkModel())
+                           gradient_codecs=grads, optimizer_8bit=[False, True],
+                           master_free=[False, True] if master_free_supported() else [False],
+                           link=LinkModel())
     budget_note = "given with --budget-mb"
     if budget_mb is None:
         free = baseline_plan(prob, "parameters", settings["stages"])

@@ -120,3 +120,33 @@ def test_e2e_check_run_catches_a_run_that_left_its_plan():
                   settings)
     with pytest.raises(SystemExit, match="flat: training did not lower the loss"):
         check_run("flat", plan, [{**ranks[0], "losses": [5.0, 5.1, 5.2, 5.3]}] * 2, summary, settings)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_worker_master_free_int8_with_per_stage_recompute(tmp_path):
+    """A training run of the demo (deepspeed launcher, 2 gloo ranks) from a config with master-free int8
+    rules and recomputation on stage 0 only: the layers convert on the stage that owns them, no fp32
+    master is stored, only stage 0 recomputes, and the loss goes down."""
+    from deepspeed_ppq.demo import launch_run
+
+    s = {**demo_settings(quick=True), "train_steps": 4}
+    rules = [{"pattern": f"{i}.{n}", "format": "int8"} for i in (2, 3)
+             for n in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
+    weights = {"format": "int8", "master": "none", "keep_first_blocks": 0, "keep_last_blocks": 0,
+               "rules": [*rules, {"pattern": "*", "format": "none"}], "optimizer_8bit": True}
+    ds = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+          "steps_per_print": 10**6,
+          "pipeline": {"activation_checkpoint_interval": 1, "recompute_stages": [0]},  # as plans write it
+          "ppq": {"weights": weights, "partition": {"method": "explicit", "boundaries": [0, 3, 6]}}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    with open(tmp_path / "log.txt", "w") as log:
+        ranks = launch_run({**s, "name": "mf", "ds_config": str(tmp_path / "ds.json")}, tmp_path, log)
+    by_stage = {r["stage"]: r for r in ranks}
+    assert all(r["parts"] == [0, 3, 6] for r in ranks)
+    assert [by_stage[i]["master_free_layers"] for i in (0, 1)] == [4, 4]  # layer 2 on stage 0, 3 on 1
+    for r in ranks:
+        assert "master_weights" not in r["memory"]["ledger"]["groups"]
+    assert by_stage[0]["recomputed_layers"] == [1, 2] and by_stage[1]["recomputed_layers"] == []
+    losses = by_stage[1]["losses"]
+    assert losses[-1] < losses[0]
