@@ -58,6 +58,9 @@ CODEC_CASES = {
     "aqsgd_warmup_topk": ({"activations": {"method": "topk", "topk_ratio": 0.25},
                            "gradients": {"method": "topk", "topk_ratio": 0.25},
                            "aqsgd": {"enabled": True, "warmup_steps": 1}}, 1e-5, False),
+    # ppq.warmup_steps with AQ-SGD: both directions raw, the activations' per-sample buffers fill
+    "aqsgd_global_warmup": ({"activations": _q(4), "gradients": _q(8), "warmup_steps": 1,
+                             "aqsgd": {"enabled": True}}, 1e-5, False),
 }
 
 
@@ -90,7 +93,9 @@ def _wire_theory(ppq: dict, direction: str, tuple_act: bool, boundary: int) -> t
     warm = min(cfg.warmup_steps, STEPS)
     aq_warm = min(max(cfg.aqsgd.warmup_steps - warm, 0), STEPS - warm) if cfg.aqsgd.enabled and \
         (direction == "act" or values_only) else 0
-    per_msg = [raw] * warm + [per_codec_raw] * aq_warm + [per_train] * (STEPS - warm - aq_warm)
+    # AQ-SGD activations go through the codec (raw) during ppq.warmup_steps too: the buffers must fill
+    per_warm = per_codec_raw if cfg.aqsgd.enabled and direction == "act" else raw
+    per_msg = [per_warm] * warm + [per_codec_raw] * aq_warm + [per_train] * (STEPS - warm - aq_warm)
     msgs = STEPS * GAS * n_float
     total = sum(per_msg) * GAS * n_float
     if direction == "act":  # one evaluation batch
