@@ -17,8 +17,8 @@ STEPS, GAS = 3, 2
 
 
 @pytest.mark.distributed
-def test_stage_weights_and_recompute_match_one_process():
-    r0, r1 = run_ranks(SCRIPT, 2, [], timeout=300)
+def test_stage_weights_and_recompute_match_one_process(tmp_path):
+    r0, r1 = run_ranks(SCRIPT, 2, [tmp_path], timeout=300)
     # [embed, 4 blocks, head] cut at [0, 3, 6]; blocks are layers 1-4 and "first/last block" are the
     # model's (layers 1 and 4), not each stage's: stage 0 quantizes layer 2 only, stage 1 layer 3 only.
     a0, a1 = r0["module"], r1["module"]
@@ -27,6 +27,10 @@ def test_stage_weights_and_recompute_match_one_process():
     assert a0["recomputed"] == [1, 2] and a1["recomputed"] == []
     assert a0["recompute_calls"] == [2 * STEPS * GAS] * 2
     assert a0["requantize_wired"] and a1["requantize_wired"]
+    # recomputed layers 1 and 2 keep their DeepSpeed checkpoint files, and a reload restores them
+    assert a0["layer_files"] == [f"layer_{i:02d}-model_states.pt" for i in range(3)], a0["layer_files"]
+    assert a1["layer_files"] == [f"layer_{i:02d}-model_states.pt" for i in range(3, 6)], a1["layer_files"]
+    assert a0["reloaded"] and a1["reloaded"]
     for r in (r0, r1):  # the last stage's loss is broadcast; int8 + recompute equals the one-process model
         torch.testing.assert_close(torch.tensor(r["module"]["losses"]), torch.tensor(a0["reference"]),
                                    rtol=1e-4, atol=1e-5)

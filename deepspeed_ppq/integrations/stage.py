@@ -119,13 +119,20 @@ class RecomputedLayer:
     """A ``forward_funcs`` entry that runs ``layer`` under non-reentrant activation checkpointing.
 
     Not an ``nn.Module``: the layer stays registered under its own name (same parameters, same
-    state-dict keys, same checkpoints); only the call goes through ``torch.utils.checkpoint``.
-    ``calls`` counts forward executions (recomputation included).
+    state-dict keys, same checkpoints); only the call goes through ``torch.utils.checkpoint``. Every
+    other attribute (``state_dict``, ``load_state_dict``, ``parameters``, ...) is the layer's, so
+    DeepSpeed's per-layer checkpoint files (``PipelineModule.save_state_dict``/``load_state_dir``, which
+    walk ``forward_funcs``) still hold it. ``calls`` counts forward executions (recomputation included).
     """
 
     def __init__(self, layer):
         self.layer = layer
         self.calls = 0
+
+    def __getattr__(self, name: str):
+        if name == "layer":  # not set yet (e.g. during unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.layer, name)
 
     def _run(self, x):
         self.calls += 1

@@ -1,6 +1,6 @@
 """Rank script: per-stage low-bit weights and recomputation through ``deepspeed_ppq`` vs one process.
 
-Usage (through tests/dist_utils.run_ranks, 2 ranks): ``ds_stage.py``. A small GPT
+Usage (through tests/dist_utils.run_ranks, 2 ranks): ``ds_stage.py <checkpoint dir>``. A small GPT
 (``[embed, 4 blocks, head]``, cut ``[0, 3, 6]``) trains 3 steps in three ways, each against the
 single-process model with the same conversion (``convert_model`` with the same ``block_layers``) and
 a plain torch Adam with ``requantize_after_step``:
@@ -16,6 +16,7 @@ a plain torch Adam with ``requantize_after_step``:
 from __future__ import annotations
 
 import os
+import sys
 
 import deepspeed
 import torch
@@ -84,6 +85,17 @@ def main() -> None:
     engine, *_ = deepspeed_ppq.initialize(model=module, optimizer=opt, config=DS)
     out["module"] = train(engine, module)
     out["module"]["reference"] = reference(w8)
+    # DeepSpeed's per-layer checkpoint files still hold the recomputed layers, and load back into them
+    ckpt = sys.argv[1]
+    engine.save_checkpoint(ckpt, tag="t")
+    mine = {f"layer_{i:02d}-model_states.pt" for i in range(module._local_start, module._local_stop)}
+    out["module"]["layer_files"] = sorted(set(os.listdir(os.path.join(ckpt, "t"))) & mine)
+    layer = module.get_submodule("2.mlp.fc") if out["rank"] == 0 else module.get_submodule("3.mlp.fc")
+    saved = layer.weight.detach().clone()
+    with torch.no_grad():
+        layer.weight.zero_()
+    engine.load_checkpoint(ckpt, tag="t", load_module_only=True)
+    out["module"]["reloaded"] = torch.equal(layer.weight, saved)
 
     nf4 = WeightsConfig(format="nf4", keep_first_blocks=1, keep_last_blocks=0)
     plain = PipelineModule(gpt_layers(CFG), num_stages=2, loss_fn=gpt_loss, partition_method="uniform")
