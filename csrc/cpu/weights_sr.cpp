@@ -9,7 +9,9 @@
 // * Used once per optimizer step per master-free layer (dequantize -> update -> this), so it is a
 //   single pass per block: absmax over the block (L1-resident after the first read), scale, encode.
 //   Blocks are independent; OpenMP splits them statically. A per-tensor fp8 scale needs the global
-//   absmax first (one extra read pass).
+//   absmax first (one extra read pass). Per block, the random numbers are made first in a pure 32-bit
+//   integer loop into a stack buffer (the 64-bit counter is a block base plus a carry), then one loop per
+//   (format, input dtype) encodes; both int8 loops vectorise. fp8 calls c10's scalar conversion.
 // * fp8 neighbours come from the round-to-nearest-even code (c10's own fp32 -> fp8 conversion, the
 //   one torch's cast uses) and the code one below or above it: fp8 codes of one sign order like
 //   their magnitudes.
@@ -24,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <string_view>
@@ -51,11 +54,6 @@ inline uint32_t hash32(uint32_t x) {  // "lowbias32"
   return x;
 }
 
-inline float uniform24(uint64_t c, uint32_t key) {
-  const uint32_t r = hash32(hash32(static_cast<uint32_t>(c) ^ key) ^ static_cast<uint32_t>(c >> 32));
-  return static_cast<float>(r >> 8) * 5.9604644775390625e-08f;  // 2^-24
-}
-
 inline float load(const void* x, bool bf16, int64_t i) {
   return bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(x)[i]) : static_cast<const float*>(x)[i];
 }
@@ -78,12 +76,6 @@ inline uint8_t sr_fp8(float y, float a, float u, int top) {
   return static_cast<uint8_t>(y < 0.0f ? (q | 0x80) : q);
 }
 
-inline int8_t sr_int8(float y, float a, float u) {
-  const float lo = std::floor(a);
-  const int q = static_cast<int>(lo) + (u * 1.0f < a - lo ? 1 : 0);
-  return static_cast<int8_t>(y < 0.0f ? -q : q);
-}
-
 float block_absmax(const void* x, bool bf16, int64_t i0, int64_t i1, bool* bad) {
   float m = 0.0f;
   bool b = false;
@@ -102,23 +94,79 @@ float stored_scale(float absmax, bool bad, float qmax, bool scale_bf16) {
   return s;
 }
 
-void encode(const void* x, bool bf16, int64_t i0, int64_t i1, float s, SrFmt f, uint64_t offset, uint32_t key,
-            uint8_t* codes) {
-  const float qmax = sr_qmax(f);
-  const bool finite = std::isfinite(s);
-  float inv = s > 0.0f ? 1.0f / s : 0.0f;
-  inv = std::min(inv, std::numeric_limits<float>::max());
-  for (int64_t i = i0; i < i1; ++i) {
-    float y = finite ? std::clamp(load(x, bf16, i) * inv, -qmax, qmax) : 0.0f;
-    const float a = std::fabs(y);
-    const float u = uniform24(offset + static_cast<uint64_t>(i), key);
-    switch (f) {
-      case SrFmt::I8: reinterpret_cast<int8_t*>(codes)[i] = sr_int8(y, a, u); break;
-      case SrFmt::E4M3: codes[i] = sr_fp8<c10::Float8_e4m3fn>(y, a, u, 0x7E); break;
-      default: codes[i] = sr_fp8<c10::Float8_e5m2>(y, a, u, 0x7B); break;
+// One loop per (format, input dtype): no switch or dtype branch inside, so GCC vectorises the int8 path
+// (the hash is 32-bit integer multiplies and shifts; floor and the compare are lane-wise).
+// Random numbers for elements [i0, i1) (at most one block, <= 4096) into u: a pure 32-bit integer loop.
+// The 64-bit counter offset + i is split as base + j with j < 2^32, so the high word only needs a carry.
+void block_uniforms(int64_t i0, int64_t i1, uint64_t offset, uint32_t key, float* u) {
+  const uint64_t base = offset + static_cast<uint64_t>(i0);
+  const uint32_t blo = static_cast<uint32_t>(base), bhi = static_cast<uint32_t>(base >> 32);
+  const uint32_t len = static_cast<uint32_t>(i1 - i0);
+  for (uint32_t j = 0; j < len; ++j) {
+    const uint32_t lo = blo + j;
+    const uint32_t hi = bhi + (lo < blo ? 1u : 0u);
+    const uint32_t r = hash32(hash32(lo ^ key) ^ hi);
+    u[j] = static_cast<float>(static_cast<int32_t>(r >> 8)) * 5.9604644775390625e-08f;  // 2^-24
+  }
+}
+
+// One loop per (format, input dtype): no switch or dtype branch inside, so GCC vectorises the int8 path.
+template <SrFmt F, bool BF16>
+void encode_t(const void* x, int64_t i0, int64_t i1, float inv, bool finite, uint64_t offset, uint32_t key,
+              uint8_t* codes) {
+  float u[4096];
+  block_uniforms(i0, i1, offset, key, u);
+  const float qmax = sr_qmax(F);
+  const float* xf = static_cast<const float*>(x) + i0;
+  const c10::BFloat16* xb = static_cast<const c10::BFloat16*>(x) + i0;
+  const int64_t len = i1 - i0;
+  if (!finite) {  // a block with NaN/Inf: zero codes (the NaN scale marks it)
+    std::memset(codes + i0, 0, static_cast<size_t>(len));
+    return;
+  }
+  if constexpr (F == SrFmt::I8) {
+    // branch-free: selects and copysign, so the loop vectorises
+    int8_t* out = reinterpret_cast<int8_t*>(codes) + i0;
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) {
+      const float v = BF16 ? static_cast<float>(xb[j]) : xf[j];
+      const float y = std::min(std::max(v * inv, -qmax), qmax);
+      const float a = std::fabs(y);
+      const int32_t lo = static_cast<int32_t>(a);  // truncation = floor for a >= 0
+      const int32_t k = lo + static_cast<int32_t>(u[j] < a - static_cast<float>(lo));
+      out[j] = static_cast<int8_t>(y < 0.0f ? -k : k);
+    }
+  } else {
+    for (int64_t j = 0; j < len; ++j) {
+      const float v = BF16 ? static_cast<float>(xb[j]) : xf[j];
+      const float y = std::min(std::max(v * inv, -qmax), qmax);
+      const float a = std::fabs(y);
+      codes[i0 + j] = F == SrFmt::E4M3 ? sr_fp8<c10::Float8_e4m3fn>(y, a, u[j], 0x7E)
+                                       : sr_fp8<c10::Float8_e5m2>(y, a, u[j], 0x7B);
     }
   }
 }
+
+template <bool BF16>
+void encode_fmt(SrFmt f, const void* x, int64_t i0, int64_t i1, float inv, bool finite, uint64_t offset,
+                uint32_t key, uint8_t* codes) {
+  switch (f) {
+    case SrFmt::I8: encode_t<SrFmt::I8, BF16>(x, i0, i1, inv, finite, offset, key, codes); break;
+    case SrFmt::E4M3: encode_t<SrFmt::E4M3, BF16>(x, i0, i1, inv, finite, offset, key, codes); break;
+    default: encode_t<SrFmt::E5M2, BF16>(x, i0, i1, inv, finite, offset, key, codes); break;
+  }
+}
+
+void encode(const void* x, bool bf16, int64_t i0, int64_t i1, float s, SrFmt f, uint64_t offset, uint32_t key,
+            uint8_t* codes) {
+  const bool finite = std::isfinite(s);
+  float inv = s > 0.0f ? 1.0f / s : 0.0f;
+  inv = std::min(inv, std::numeric_limits<float>::max());
+  if (bf16) encode_fmt<true>(f, x, i0, i1, inv, finite, offset, key, codes);
+  else encode_fmt<false>(f, x, i0, i1, inv, finite, offset, key, codes);
+}
+
+inline int threads() { return std::max(1, at::get_num_threads()); }
 
 at::ScalarType sr_code_type(SrFmt f) {
   return f == SrFmt::I8 ? at::kChar : f == SrFmt::E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
@@ -157,10 +205,11 @@ void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B
     if (sbf) static_cast<c10::BFloat16*>(scales.data_ptr())[j] = c10::BFloat16(s);
     else static_cast<float*>(scales.data_ptr())[j] = s;
   };
+  const bool par = n > (1 << 15);  // small tensors stay on one thread
   if (per_tensor) {
     bool bad = false;
     float m = 0.0f;
-#pragma omp parallel for schedule(static) reduction(max : m) reduction(|| : bad)
+#pragma omp parallel for num_threads(par ? threads() : 1) schedule(static) reduction(max : m) reduction(|| : bad)
     for (int64_t b = 0; b < nb; ++b) {
       bool bb;
       m = std::max(m, block_absmax(xp, xbf, b * B, std::min(n, (b + 1) * B), &bb));
@@ -168,11 +217,11 @@ void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B
     }
     const float s = stored_scale(m, bad, qmax, sbf);
     put_scale(0, s);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(par ? threads() : 1) schedule(static)
     for (int64_t b = 0; b < nb; ++b) encode(xp, xbf, b * B, std::min(n, (b + 1) * B), s, f, off, key, cp);
     return;
   }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(par ? threads() : 1) schedule(static)
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t i0 = b * B, i1 = std::min(n, (b + 1) * B);
     bool bad = false;
