@@ -47,6 +47,9 @@ def test_stage_weights_and_recompute_match_one_process(tmp_path):
     torch.testing.assert_close(torch.tensor(c1["losses"]), torch.tensor(c0["reference"]),
                                rtol=1e-4, atol=1e-5)
 
+    for r in (r0, r1):  # a plain (data-parallel) model: global policy, compute copy follows the master
+        assert r["plain"]["quantized"] == [f"{i}.{n}" for i in (2, 3) for n in NAMES], r["plain"]
+        assert r["plain"]["follows_master"]
     for r in (r0, r1):
         assert r["stale"].startswith("PPQConfigError"), r["stale"]
         assert "build the optimizer after converting" in r["stale"]

@@ -28,7 +28,13 @@ from deepspeed_ppq.config import WeightsConfig
 from deepspeed_ppq.integrations.pipe_module import PPQPipelineModule
 from deepspeed_ppq.integrations.stage import RecomputedLayer
 from deepspeed_ppq.models.gpt import GPT, GPTConfig, gpt_layers, gpt_loss, layer_kinds
-from deepspeed_ppq.quant import QuantLinear, build_optimizer, convert_model, requantize_after_step
+from deepspeed_ppq.quant import (
+    QuantLinear,
+    build_optimizer,
+    convert_model,
+    quantize_weight,
+    requantize_after_step,
+)
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=4)
 BLOCKS = [i for i, k in enumerate(layer_kinds(CFG)) if k == "block"]
@@ -79,6 +85,23 @@ def main() -> None:
     out = {"rank": int(os.environ["RANK"])}
 
     w8 = WeightsConfig(format="int8", keep_first_blocks=1, keep_last_blocks=1)
+    # not a PipelineModule (data parallel over both ranks): the same weights policy and hook. First:
+    # a pipeline engine leaves model-parallel state in deepspeed.utils.groups that a later plain
+    # engine in the same process trips over.
+    gpt = GPT(CFG)
+    engine, *_ = deepspeed_ppq.initialize(
+        model=gpt, config={**DS, "ppq": {"weights": w8.model_dump(mode="json")}}, block_layers=BLOCKS,
+        optimizer=lambda params: torch.optim.Adam(params, lr=LR))
+    b = batches()[0][0]
+    engine.backward(gpt_loss(engine(b), b))
+    engine.step()
+    q = engine.module.get_submodule("2.mlp.fc")
+    out["plain"] = {
+        "quantized": sorted(n for n, m in gpt.named_modules() if isinstance(m, QuantLinear)),
+        "follows_master": torch.equal(q.dequantized_weight(), quantize_weight(q.weight.detach(), "int8")
+                                      .dequantize(torch.float32)),
+    }
+
     module = PPQPipelineModule(gpt_layers(CFG), 2, boundaries=[0, 3, 6], loss_fn=gpt_loss, weights=w8,
                                recompute_stages=[True, False])
     opt = build_optimizer(module.parameters(), "adam", lr=LR)
