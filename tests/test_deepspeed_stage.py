@@ -49,7 +49,7 @@ def test_stage_weights_and_recompute_match_one_process(tmp_path):
 
     for r in (r0, r1):  # a plain (data-parallel) model: global policy, compute copy follows the master
         assert r["plain"]["quantized"] == [f"{i}.{n}" for i in (2, 3) for n in NAMES], r["plain"]
-        assert r["plain"]["follows_master"]
+        assert r["plain"]["stepped"] and r["plain"]["follows_master"]
     for r in (r0, r1):
         assert r["stale"].startswith("PPQConfigError"), r["stale"]
         assert "build the optimizer after converting" in r["stale"]

@@ -89,15 +89,17 @@ def main() -> None:
     # a pipeline engine leaves model-parallel state in deepspeed.utils.groups that a later plain
     # engine in the same process trips over.
     gpt = GPT(CFG)
-    engine, *_ = deepspeed_ppq.initialize(
-        model=gpt, config={**DS, "ppq": {"weights": w8.model_dump(mode="json")}}, block_layers=BLOCKS,
-        optimizer=lambda params: torch.optim.Adam(params, lr=LR))
+    plain_cfg = {**DS, "gradient_accumulation_steps": 1, "ppq": {"weights": w8.model_dump(mode="json")}}
+    engine, *_ = deepspeed_ppq.initialize(model=gpt, config=plain_cfg, block_layers=BLOCKS,
+                                          optimizer=lambda params: torch.optim.Adam(params, lr=LR))
+    q = engine.module.get_submodule("2.mlp.fc")
+    before = q.dequantized_weight()
     b = batches()[0][0]
     engine.backward(gpt_loss(engine(b), b))
     engine.step()
-    q = engine.module.get_submodule("2.mlp.fc")
     out["plain"] = {
         "quantized": sorted(n for n, m in gpt.named_modules() if isinstance(m, QuantLinear)),
+        "stepped": not torch.equal(q.dequantized_weight(), before),
         "follows_master": torch.equal(q.dequantized_weight(), quantize_weight(q.weight.detach(), "int8")
                                       .dequantize(torch.float32)),
     }
