@@ -231,10 +231,12 @@ class QuantLinear(nn.Module):
     @torch.no_grad()
     def requantize_(self) -> None:
         """Refresh the low-bit compute copy from the master weight (train mode)."""
-        if self.mode != "train" or self.master_free:
+        if self.mode != "train":
+            raise RuntimeError("QuantLinear.requantize_: a frozen layer has no master weight to re-quantize")
+        if self.master_free:
             raise RuntimeError(
-                "QuantLinear.requantize_: this layer has no master weight to re-quantize "
-                f"(mode={self.mode!r}, master={'none' if self.master_free else 'fp32'})"
+                "QuantLinear.requantize_: a master-free layer (weights.master='none') has no master weight "
+                "to re-quantize; its codes are updated by quant.master_free.attach_master_free"
             )
         self.qweight.requantize_(self.weight.detach())
         self.quant_version += 1
