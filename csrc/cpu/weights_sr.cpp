@@ -117,8 +117,10 @@ void encode_t(const void* x, int64_t i0, int64_t i1, float inv, bool finite, uin
   float u[4096];
   block_uniforms(i0, i1, offset, key, u);
   const float qmax = sr_qmax(F);
-  const float* xf = static_cast<const float*>(x) + i0;
-  const c10::BFloat16* xb = static_cast<const c10::BFloat16*>(x) + i0;
+  // __restrict: the int8 code store (a char type) may otherwise alias the inputs and block vectorising
+  const float* __restrict xf = static_cast<const float*>(x) + i0;
+  const c10::BFloat16* __restrict xb = static_cast<const c10::BFloat16*>(x) + i0;
+  const float* __restrict ur = u;
   const int64_t len = i1 - i0;
   if (!finite) {  // a block with NaN/Inf: zero codes (the NaN scale marks it)
     std::memset(codes + i0, 0, static_cast<size_t>(len));
@@ -126,14 +128,14 @@ void encode_t(const void* x, int64_t i0, int64_t i1, float inv, bool finite, uin
   }
   if constexpr (F == SrFmt::I8) {
     // branch-free: selects and copysign, so the loop vectorises
-    int8_t* out = reinterpret_cast<int8_t*>(codes) + i0;
+    int8_t* __restrict out = reinterpret_cast<int8_t*>(codes) + i0;
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) {
       const float v = BF16 ? static_cast<float>(xb[j]) : xf[j];
       const float y = std::min(std::max(v * inv, -qmax), qmax);
       const float a = std::fabs(y);
       const int32_t lo = static_cast<int32_t>(a);  // truncation = floor for a >= 0
-      const int32_t k = lo + static_cast<int32_t>(u[j] < a - static_cast<float>(lo));
+      const int32_t k = lo + static_cast<int32_t>(ur[j] < a - static_cast<float>(lo));
       out[j] = static_cast<int8_t>(y < 0.0f ? -k : k);
     }
   } else {
