@@ -26,11 +26,17 @@ def run_summary(plan, ranks: list[dict], settings: dict) -> dict:
     gb = ranks[0]["global_batch"]
     stages = []
     for r, sp in zip(ranks, plan.stages):
+        # instruction times are means over the traced (last) steps: divide by those steps' mean time
+        steps = len(r["step_times"])
+        traced = r["step_times"][max(1, steps - 3):] or r["step_times"]
+        t_step = sum(traced) / len(traced)
         comm = sum(v for k, v in r["per_instruction_s"].items() if k in _COMM)
+        compute = sum(r["per_instruction_s"].get(k, 0.0) for k in ("ForwardPass", "BackwardPass"))
         led = r["memory"]["ledger"]["groups"]
         growth = r["memory"]["peak_rss"] - r["memory"]["rss_before_model"]
         stages.append({"stage": r["stage"], "layers": [r["parts"][r["stage"]], r["parts"][r["stage"] + 1]],
-                       "idle_fraction": comm / r["step_time_median"] if r["step_time_median"] else 0.0,
+                       "idle_fraction": comm / t_step if t_step else 0.0,
+                       "non_compute_fraction": max(0.0, 1 - compute / t_step) if t_step else 0.0,
                        "predicted_memory": dict(sp.memory), "measured_ledger": led,
                        "peak_rss_growth": growth, "formats": sp.formats})
     # Bytes between the stages per optimizer step: the engine's counters (summed over the stages).
@@ -50,6 +56,7 @@ def run_summary(plan, ranks: list[dict], settings: dict) -> dict:
     return {"step_time": step, "samples_per_s": gb / step, "global_batch": gb,
             "micro_batch": ranks[0]["micro_batch"], "micro_batches": ranks[0]["micro_batches"],
             "bubble_measured": sum(s["idle_fraction"] for s in stages) / len(stages),
+            "non_compute_measured": sum(s["non_compute_fraction"] for s in stages) / len(stages),
             "bubble_predicted": plan.predicted_bubble_fraction,
             "step_time_predicted": plan.predicted_step_time,
             "val_loss": val, "val_ppl": math.exp(val) if val < 50 else float("inf"),
@@ -175,6 +182,9 @@ def write_outputs(out: Path, settings: dict, tuned: dict, runs: dict[str, list[d
         f"| bubble: measured idle in send/recv (predicted) | {b['bubble_measured']:.1%} "
         f"({b['bubble_predicted']:.1%}) | {t['bubble_measured']:.1%} ({t['bubble_predicted']:.1%}) | "
         f"{t['bubble_measured'] / max(b['bubble_measured'], 1e-9):.2f} |",
+        f"| not computing: 1 - (forward + backward) / step | {b['non_compute_measured']:.1%} | "
+        f"{t['non_compute_measured']:.1%} | "
+        f"{t['non_compute_measured'] / max(b['non_compute_measured'], 1e-9):.2f} |",
         f"| micro-batch x count | {b['micro_batch']} x {b['micro_batches']} | "
         f"{t['micro_batch']} x {t['micro_batches']} | |",
         f"| activation recomputation per stage | {b['recompute']} | {t['recompute']} | |",
@@ -207,6 +217,10 @@ def write_outputs(out: Path, settings: dict, tuned: dict, runs: dict[str, list[d
         "",
         "Bubble (measured): time each stage spends inside send/recv instructions (waiting for its "
         "peer plus the transfer) over the step time, averaged over stages, from the last traced steps. "
+        "It misses waits hidden in other instructions: DeepSpeed's OptimizerStep all-reduces the gradient "
+        "norm over the pipeline group, so the stage that finishes first waits there. 'Not computing' "
+        "counts everything but ForwardPass and BackwardPass (the optimizer's own work included), an "
+        "upper bound of the idle share. "
         f"Bytes between stages: {b['bytes_source']} (baseline); {t['bytes_source']} (tuned).",
         "Measured storage: `deepspeed_ppq.quant.measure_storage` on the live engine after training "
         "(weights, master weights, optimizer states; gradients are freed after each step). Peak RSS "

@@ -15,7 +15,10 @@ the baseline is fp32 with no codecs; training lowered the loss. Then, per seed a
 samples/s ratio, bubble ratio, validation-loss difference. Definitions:
   - samples/s: global batch / median step time after the first step (the slowest stage's clock);
   - bubble, measured: time each stage spends inside send/recv instructions (waiting for its peer
-    plus the transfer) / step time, mean over the stages, from the last traced steps;
+    plus the transfer) / step time, mean over the stages, from the last traced steps; it misses the
+    wait inside OptimizerStep (DeepSpeed all-reduces the gradient norm over the pipeline group);
+  - not computing: 1 - (ForwardPass + BackwardPass) / step time, mean over the stages (an upper
+    bound of the idle share: the optimizer's own work counts too);
   - bubble, predicted: the planner's cost model, (idle slots of the schedule) / step time.
 
     python benchmarks/e2e/bench_e2e.py                    # 3 seeds, ~8-10 min on 2 shared cores
@@ -87,6 +90,8 @@ def _row(seed: int, b: dict, t: dict) -> dict:
         "speedup": t["samples_per_s"] / b["samples_per_s"],
         "bubble_measured": [b["bubble_measured"], t["bubble_measured"]],
         "bubble_ratio_measured": t["bubble_measured"] / max(b["bubble_measured"], 1e-9),
+        "non_compute_measured": [b["non_compute_measured"], t["non_compute_measured"]],
+        "non_compute_ratio": t["non_compute_measured"] / max(b["non_compute_measured"], 1e-9),
         "bubble_predicted": [b["bubble_predicted"], t["bubble_predicted"]],
         "step_time_predicted": [b["step_time_predicted"], t["step_time_predicted"]],
         "val_loss": [b["val_loss"], t["val_loss"]],
@@ -97,7 +102,7 @@ def _row(seed: int, b: dict, t: dict) -> dict:
 
 def write_results(rows: list[dict], meta: dict, plans: dict) -> str:
     med = {k: statistics.median(r[k] for r in rows)
-           for k in ("speedup", "bubble_ratio_measured", "val_loss_diff_pct")}
+           for k in ("speedup", "bubble_ratio_measured", "non_compute_ratio", "val_loss_diff_pct")}
     base_vals = [r["val_loss"][0] for r in rows]
     seed_spread = (max(base_vals) - min(base_vals)) / statistics.mean(base_vals) * 100 if len(rows) > 1 else 0
     s, b, t = meta["settings"], plans["baseline"], plans["tuned"]
@@ -121,14 +126,16 @@ def write_results(rows: list[dict], meta: dict, plans: dict) -> str:
         f"grad {json.dumps(t.gradient_codec)}",
         "",
         "| seed | samples/s base | samples/s tuned | speedup | bubble meas base | tuned | ratio | "
-        "bubble pred base | tuned | val loss base | tuned | Δ % | MiB/step between stages base | tuned |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "not computing base | tuned | bubble pred base | tuned | val loss base | tuned | Δ % | "
+        "MiB/step between stages base | tuned |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['seed']} | {r['samples_per_s'][0]:.2f} | {r['samples_per_s'][1]:.2f} | "
             f"{r['speedup']:.2f}x | {r['bubble_measured'][0]:.3f} | {r['bubble_measured'][1]:.3f} | "
-            f"{r['bubble_ratio_measured']:.2f} | "
+            f"{r['bubble_ratio_measured']:.2f} | {r['non_compute_measured'][0]:.3f} | "
+            f"{r['non_compute_measured'][1]:.3f} | "
             f"{r['bubble_predicted'][0]:.3f} | {r['bubble_predicted'][1]:.3f} | {r['val_loss'][0]:.4f} | "
             f"{r['val_loss'][1]:.4f} | {r['val_loss_diff_pct']:+.2f} | "
             f"{r['wire_bytes_per_step'][0] / 2**20:.2f} | {r['wire_bytes_per_step'][1] / 2**20:.2f} |")
@@ -137,12 +144,17 @@ def write_results(rows: list[dict], meta: dict, plans: dict) -> str:
         f"**Median over {len(rows)} seeds: speedup {med['speedup']:.2f}x (target >= 1.5x), measured bubble "
         f"ratio {med['bubble_ratio_measured']:.2f} (predicted "
         f"{rows[0]['bubble_predicted'][1] / max(rows[0]['bubble_predicted'][0], 1e-9):.2f}; target <= 0.5), "
+        f"not-computing ratio {med['non_compute_ratio']:.2f}, "
         f"validation loss {med['val_loss_diff_pct']:+.2f}% (target within 1%).** "
         f"Seed-to-seed spread of the baseline's validation loss: {seed_spread:.2f}%.",
         "",
         "Definitions. samples/s: global batch / median step time after the first step. Bubble measured: "
         "time inside send/recv instructions (waiting for the peer plus the transfer) / step time, mean over "
-        "stages, last traced steps; bubble predicted: the planner's cost model. Validation loss: the same "
+        "stages, last traced steps; it misses the wait inside OptimizerStep (DeepSpeed all-reduces the "
+        "gradient norm over the pipeline group, so the first stage done waits there). Not computing: "
+        "1 - (ForwardPass + BackwardPass) / step time, mean over stages (an upper bound of the idle share: "
+        "it also counts the optimizer's own work). Bubble predicted: the planner's cost model. "
+        "Validation loss: the same "
         "held-out windows for every run, evaluated by the trained engine (with codecs where the tuned "
         "plan uses them). Bytes between stages: the engine's counters where they count, else computed.",
     ]
