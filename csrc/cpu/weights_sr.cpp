@@ -94,11 +94,9 @@ float stored_scale(float absmax, bool bad, float qmax, bool scale_bf16) {
   return s;
 }
 
-// One loop per (format, input dtype): no switch or dtype branch inside, so GCC vectorises the int8 path
-// (the hash is 32-bit integer multiplies and shifts; floor and the compare are lane-wise).
 // Random numbers for elements [i0, i1) (at most one block, <= 4096) into u: a pure 32-bit integer loop.
 // The 64-bit counter offset + i is split as base + j with j < 2^32, so the high word only needs a carry.
-void block_uniforms(int64_t i0, int64_t i1, uint64_t offset, uint32_t key, float* u) {
+void block_uniforms(int64_t i0, int64_t i1, uint64_t offset, uint32_t key, float* __restrict u) {
   const uint64_t base = offset + static_cast<uint64_t>(i0);
   const uint32_t blo = static_cast<uint32_t>(base), bhi = static_cast<uint32_t>(base >> 32);
   const uint32_t len = static_cast<uint32_t>(i1 - i0);
@@ -110,38 +108,44 @@ void block_uniforms(int64_t i0, int64_t i1, uint64_t offset, uint32_t key, float
   }
 }
 
-// One loop per (format, input dtype): no switch or dtype branch inside, so GCC vectorises the int8 path.
+// int8 codes of one block from fp32 values: branch-free (selects), a plain loop over restrict pointers
+// that GCC vectorises (the code store is a char type: without restrict it may alias the inputs).
+void encode_int8(const float* __restrict xf, const float* __restrict u, int8_t* __restrict out, int64_t len,
+                 float inv, float qmax) {
+  for (int64_t j = 0; j < len; ++j) {
+    const float y = std::min(std::max(xf[j] * inv, -qmax), qmax);
+    const float a = std::fabs(y);
+    const int32_t lo = static_cast<int32_t>(a);  // truncation = floor for a >= 0
+    const int32_t k = lo + static_cast<int32_t>(u[j] < a - static_cast<float>(lo));
+    out[j] = static_cast<int8_t>(y < 0.0f ? -k : k);
+  }
+}
+
+// One block: random numbers first (a pure integer loop), then the codes. bf16 input is widened into a
+// stack buffer first, so the int8 encode loop is the same for both input dtypes.
 template <SrFmt F, bool BF16>
 void encode_t(const void* x, int64_t i0, int64_t i1, float inv, bool finite, uint64_t offset, uint32_t key,
               uint8_t* codes) {
-  float u[4096];
-  block_uniforms(i0, i1, offset, key, u);
-  const float qmax = sr_qmax(F);
-  // __restrict: the int8 code store (a char type) may otherwise alias the inputs and block vectorising
-  const float* __restrict xf = static_cast<const float*>(x) + i0;
-  const c10::BFloat16* __restrict xb = static_cast<const c10::BFloat16*>(x) + i0;
-  const float* __restrict ur = u;
   const int64_t len = i1 - i0;
   if (!finite) {  // a block with NaN/Inf: zero codes (the NaN scale marks it)
     std::memset(codes + i0, 0, static_cast<size_t>(len));
     return;
   }
+  alignas(64) float u[4096];
+  alignas(64) float wide[4096];
+  block_uniforms(i0, i1, offset, key, u);
+  const float* xf = static_cast<const float*>(x) + i0;
+  if constexpr (BF16) {
+    const c10::BFloat16* xb = static_cast<const c10::BFloat16*>(x) + i0;
+    for (int64_t j = 0; j < len; ++j) wide[j] = static_cast<float>(xb[j]);
+    xf = wide;
+  }
   if constexpr (F == SrFmt::I8) {
-    // branch-free: selects and copysign, so the loop vectorises
-    int8_t* __restrict out = reinterpret_cast<int8_t*>(codes) + i0;
-#pragma omp simd
-    for (int64_t j = 0; j < len; ++j) {
-      const float v = BF16 ? static_cast<float>(xb[j]) : xf[j];
-      const float y = std::min(std::max(v * inv, -qmax), qmax);
-      const float a = std::fabs(y);
-      const int32_t lo = static_cast<int32_t>(a);  // truncation = floor for a >= 0
-      const int32_t k = lo + static_cast<int32_t>(ur[j] < a - static_cast<float>(lo));
-      out[j] = static_cast<int8_t>(y < 0.0f ? -k : k);
-    }
+    encode_int8(xf, u, reinterpret_cast<int8_t*>(codes) + i0, len, inv, 127.0f);
   } else {
+    const float qmax = sr_qmax(F);
     for (int64_t j = 0; j < len; ++j) {
-      const float v = BF16 ? static_cast<float>(xb[j]) : xf[j];
-      const float y = std::min(std::max(v * inv, -qmax), qmax);
+      const float y = std::min(std::max(xf[j] * inv, -qmax), qmax);
       const float a = std::fabs(y);
       codes[i0 + j] = F == SrFmt::E4M3 ? sr_fp8<c10::Float8_e4m3fn>(y, a, u[j], 0x7E)
                                        : sr_fp8<c10::Float8_e5m2>(y, a, u[j], 0x7B);
