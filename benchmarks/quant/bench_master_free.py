@@ -202,9 +202,10 @@ def main() -> None:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                platform.processor())
     meta = {"torch": torch.__version__, "cpu": cpu, "cores": os.cpu_count(), "threads": args.threads,
-            "date": datetime.date.today().isoformat()}
+            "date": datetime.date.today().isoformat(), "load_avg_1m": os.getloadavg()[0]}
     lines = ["# Master-free low-bit training: memory and update time\n",
-             f"torch {meta['torch']}, {cpu}, {meta['cores']} cores, {args.threads} threads, {meta['date']}.",
+             f"torch {meta['torch']}, {cpu}, {meta['cores']} cores, {args.threads} threads, {meta['date']}, "
+             f"load average {meta['load_avg_1m']:.1f} (a shared machine: timings are noisy, see the ratios).",
              "Command: `.venv/bin/python benchmarks/quant/bench_master_free.py`\n",
              "## Measured: small GPT (d=256, 4 blocks, all blocks low-bit), after a backward "
              "(measured == ledger in every row)\n"]
