@@ -50,6 +50,13 @@ def test_stage_weights_and_recompute_match_one_process(tmp_path):
     for r in (r0, r1):  # a plain (data-parallel) model: global policy, compute copy follows the master
         assert r["plain"]["quantized"] == [f"{i}.{n}" for i in (2, 3) for n in NAMES], r["plain"]
         assert r["plain"]["stepped"] and r["plain"]["follows_master"]
+    m0, m1 = r0["master_free"], r1["master_free"]
+    assert m0["master_free"] == [] and m1["master_free"] == [f"{i}.{n}" for i in (3, 4) for n in NAMES]
+    assert m0["master_free_wired"] and m1["master_free_wired"] and not m1["requantize_wired"]
+    torch.testing.assert_close(torch.tensor(m1["losses"]), torch.tensor(m0["reference"]),
+                               rtol=1e-4, atol=1e-5)
+    assert m1["losses"][-1] < m1["losses"][0]
+
     for r in (r0, r1):
         assert r["stale"].startswith("PPQConfigError"), r["stale"]
         assert "build the optimizer after converting" in r["stale"]

@@ -665,14 +665,25 @@ def _check_params_live(model, optimizer, model_parameters, fmt: str) -> None:
 
 
 def _wire_requantize(engine) -> None:
-    """Refresh every train-mode ``QuantLinear`` compute copy after each optimizer step."""
-    from deepspeed_ppq.quant import QuantLinear, requantize_after_step
+    """After each optimizer step: refresh every train-mode ``QuantLinear`` compute copy from its fp32
+    master, and update the master-free layers (``weights.master="none"``) in place.
+
+    Whether any stage has master-free layers is agreed over all ranks: their clip norm is a collective,
+    so a stage without such layers (say one whose blocks all stay high precision) joins it too."""
+    import torch.distributed as dist
+
+    from deepspeed_ppq.quant import QuantLinear, attach_master_free, master_free_layers, requantize_after_step
 
     module = getattr(engine, "module", None)
     if module is None or engine.optimizer is None:
         return
-    if any(isinstance(m, QuantLinear) and m.mode == "train" for m in module.modules()):
+    if any(isinstance(m, QuantLinear) and m.mode == "train" and not m.master_free for m in module.modules()):
         engine.ppq_requantize_handle = requantize_after_step(engine, module)
+    any_master_free = torch.tensor([int(bool(master_free_layers(module)))])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(any_master_free, op=dist.ReduceOp.MAX)
+    if any_master_free.item():
+        engine.ppq_master_free_handle = attach_master_free(engine, module, allow_empty=True)
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
@@ -686,7 +697,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     model already holds ``QuantLinear`` layers, e.g. a ``PPQPipelineModule`` built with ``weights=``),
     deciding "first/last N blocks" with global layer indices; the listed stages recompute their block
     layers. After: train-mode ``QuantLinear`` compute copies are re-quantized after every optimizer step
-    (``quant.requantize_after_step`` on the engine; its handle is ``engine.ppq_requantize_handle``).
+    (``quant.requantize_after_step`` on the engine; its handle is ``engine.ppq_requantize_handle``), and
+    master-free layers (``weights.master="none"``) are updated by ``quant.attach_master_free`` on every
+    rank (``engine.ppq_master_free_handle``).
 
     Args:
         (as ``deepspeed.initialize``), plus

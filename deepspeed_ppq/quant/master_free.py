@@ -181,7 +181,7 @@ class _Handle:
 
 
 def attach_master_free(optimizer, model: nn.Module, *, max_grad_norm: float | None = None, dp_group=None,
-                       dp_world_size: int | None = None):
+                       dp_world_size: int | None = None, allow_empty: bool = False):
     """Update ``model``'s master-free layers at the end of every ``optimizer.step()``.
 
     Args:
@@ -192,6 +192,9 @@ def attach_master_free(optimizer, model: nn.Module, *, max_grad_norm: float | No
             None: the engine's ``gradient_clipping()`` for an engine, else no clipping; 0: none.
         dp_group, dp_world_size: average the gradient buffers over this group first; default the
             engine's data-parallel group; nothing for a plain optimizer.
+        allow_empty: attach even where ``model`` has no master-free layer. The clip norm is a
+            collective over every rank, so in a pipeline whose stages differ (a stage of high-precision
+            layers only) every rank must attach: ``deepspeed_ppq.initialize`` does this.
 
     Returns:
         A handle; ``handle.remove()`` detaches the hook.
@@ -201,7 +204,7 @@ def attach_master_free(optimizer, model: nn.Module, *, max_grad_norm: float | No
             the learning rate from.
     """
     layers = master_free_layers(model)
-    if not layers:
+    if not layers and not allow_empty:
         raise ValueError("attach_master_free: the model has no QuantLinear with weights.master='none'")
     engine = optimizer if hasattr(optimizer, "basic_optimizer") and hasattr(optimizer, "module") else None
     opt = underlying_optimizer(optimizer)

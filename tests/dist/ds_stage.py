@@ -10,6 +10,8 @@ a plain torch Adam with ``requantize_after_step``:
 * ``config``: a plain DeepSpeed ``PipelineModule``; ``ppq.weights`` (nf4) and
   ``pipeline.recompute_stages=[1]`` (with ``activation_checkpoint_interval=1``, as the autotuner writes
   it) come from the DeepSpeed config; the optimizer is a callable DeepSpeed builds after the conversion;
+* ``master_free``: int8 master-free weights on stage 1 only; ``initialize`` attaches the master-free
+  update on both ranks (the clip norm is a collective), losses equal the one-process model's;
 * ``stale``: an optimizer built before ``ppq.weights`` replaced the layers is an error.
 """
 
@@ -30,6 +32,7 @@ from deepspeed_ppq.integrations.stage import RecomputedLayer
 from deepspeed_ppq.models.gpt import GPT, GPTConfig, gpt_layers, gpt_loss, layer_kinds
 from deepspeed_ppq.quant import (
     QuantLinear,
+    attach_master_free,
     build_optimizer,
     convert_model,
     quantize_weight,
@@ -49,10 +52,13 @@ def batches():
             for _ in range(STEPS)]
 
 
-def reference(wcfg: WeightsConfig) -> list[float]:
+def reference(wcfg: WeightsConfig, clip: float | None = None) -> list[float]:
     model = convert_model(GPT(CFG), wcfg, block_layers=BLOCKS, num_blocks=len(BLOCKS))
     opt = build_optimizer(model.parameters(), "adam", lr=LR)
-    requantize_after_step(opt, model)
+    if wcfg.master == "none":
+        attach_master_free(opt, model, max_grad_norm=clip)
+    else:
+        requantize_after_step(opt, model)
     losses = []
     for mbs in batches():
         opt.zero_grad(set_to_none=True)
@@ -76,6 +82,9 @@ def train(engine, module) -> dict:
         "recompute_calls": [f.calls for f in recomputed],
         "ds_interval": module.activation_checkpoint_interval,
         "requantize_wired": hasattr(engine, "ppq_requantize_handle"),
+        "master_free_wired": hasattr(engine, "ppq_master_free_handle"),
+        "master_free": sorted(n for n, m in module.named_modules()
+                              if isinstance(m, QuantLinear) and m.master_free),
     }
 
 
@@ -130,6 +139,16 @@ def main() -> None:
                                           optimizer=lambda params: torch.optim.Adam(params, lr=LR))
     out["config"] = train(engine, plain)
     out["config"]["reference"] = reference(nf4)
+
+    # Master-free int8 on stage 1 only (blocks 1-2 are the model's first two, kept high precision): the
+    # clip norm of the master-free gradients is a collective, so stage 0 must join it without any such
+    # layer. A clip far above the norm keeps DeepSpeed's own clipping of the rest a no-op.
+    mf = WeightsConfig(format="int8", master="none", keep_first_blocks=2, keep_last_blocks=0)
+    module = PPQPipelineModule(gpt_layers(CFG), 2, boundaries=[0, 3, 6], loss_fn=gpt_loss, weights=mf)
+    engine, *_ = deepspeed_ppq.initialize(model=module, config={**DS, "gradient_clipping": 1e6},
+                                          optimizer=lambda params: torch.optim.Adam(params, lr=LR))
+    out["master_free"] = train(engine, module)
+    out["master_free"]["reference"] = reference(mf, clip=1e6)
 
     stale = PipelineModule(gpt_layers(CFG), num_stages=2, loss_fn=gpt_loss, partition_method="uniform")
     early = torch.optim.Adam(stale.parameters(), lr=LR)
