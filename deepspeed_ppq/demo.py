@@ -225,7 +225,8 @@ def launch_run(job: dict, out: Path, log) -> list[dict]:
     job = {**job, "result_dir": str(res_dir)}
     job_path.write_text(json.dumps(job, indent=1))
     launcher = shutil.which("deepspeed") or str(Path(sys.executable).with_name("deepspeed"))
-    cmd = [launcher, "--num_gpus", str(job["stages"]), "--master_port", str(_free_port()), "--module",
+    port = _free_port()
+    cmd = [launcher, "--num_gpus", str(job["stages"]), "--master_port", str(port), "--module",
            "deepspeed_ppq.demo", "worker", str(job_path)]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -238,10 +239,25 @@ def launch_run(job: dict, out: Path, log) -> list[dict]:
         if "train " in line and "step" in line or "Traceback" in line or "Error" in line:
             sys.stdout.write(line.replace("\r", "\n").splitlines()[-1] + "\r" if "%" in line else line)
             sys.stdout.flush()
-    if proc.wait() != 0:
+    code = proc.wait()
+    _remove_shm_buffers(port)
+    if code != 0:
         raise RuntimeError(f"training run {job['name']!r} failed (exit {proc.returncode}); see {log.name}")
     print()
     return [json.loads((res_dir / f"rank{r}.json").read_text()) for r in range(job["stages"])]
+
+
+def _remove_shm_buffers(port: int) -> None:
+    """Delete the shared-memory all-reduce buffers DeepSpeed's CPU backend leaves in /dev/shm (two of
+    ~66 MiB per job, named by the master port; nothing removes them, and on a small machine they fill
+    the RAM-backed /dev/shm run after run)."""
+    import glob
+
+    for f in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        try:
+            os.remove(f)
+        except OSError:
+            pass
 
 
 def _free_port() -> int:
