@@ -133,12 +133,8 @@ def run_worker(job_path: str) -> int:
     params = [p for p in module.parameters() if p.requires_grad]
     opt = build_optimizer(params, "adamw8bit" if ppq.weights.optimizer_8bit else "adamw", lr=job["lr"])
     # initialize: per-stage recompute from the config, re-quantization after every optimizer step.
+    # initialize also attaches the update of master-free low-bit layers (no fp32 copy) on every rank.
     engine, _, _, _ = initialize(model=module, optimizer=opt, config=ds_cfg, recompute_stages=recompute)
-    if ppq.weights.master == "none" and any(getattr(m, "master_free", False) for m in module.modules()):
-        # master-free low-bit layers (no fp32 copy) are updated from their gradients after each step
-        from deepspeed_ppq.quant.master_free import attach_master_free
-
-        engine.ppq_master_free_handle = attach_master_free(engine, module)
     events: list = []
     recording = [False]
     _timed_instruction_map(engine, events, recording)

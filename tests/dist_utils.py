@@ -66,11 +66,18 @@ def run_ranks(script: str | Path, world_size: int, args: list[str] | tuple = (),
             for p, _ in procs:
                 if p.poll() is None:
                     p.kill()
+            from deepspeed_ppq.integrations.shm import release_deepspeed_shm
+
+            release_deepspeed_shm(port, "127.0.0.1")
             tails = []
             for r in range(world_size):
                 text = (Path(out_dir) / f"rank{r}.log").read_text()
                 tails.append(f"--- rank {r} (exit {procs[r][0].returncode}) ---\n{text[-4000:]}")
             raise RuntimeError(f"{script} failed on {world_size} ranks:\n" + "\n".join(tails))
+        # DeepSpeed's CPU backend leaves a /dev/shm buffer per rank behind; drop this run's.
+        from deepspeed_ppq.integrations.shm import release_deepspeed_shm
+
+        release_deepspeed_shm(port, "127.0.0.1")
         results = []
         for r in range(world_size):
             path = Path(out_dir) / f"rank{r}.json"

@@ -721,6 +721,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         PPQConfigError: a bad ``"ppq"`` section, explicit boundaries the module was not built with,
             AQ-SGD without sample indices, or an optimizer built before ``ppq.weights`` replaced layers.
     """
+    from deepspeed_ppq.integrations.shm import release_at_exit
+
+    release_at_exit()  # DeepSpeed's CPU backend never unlinks its /dev/shm all-reduce buffers
+
     import deepspeed
 
     ds_config = _resolve_ds_config(args, config, config_params)
