@@ -14,12 +14,16 @@
 //    which order like the values), a second pass keeps every index at or above the threshold bin in
 //    ascending order, then the exact K-th key is found among the few candidates of the threshold bin
 //    with nth_element and the list is compacted; ties go to the lower index (a stable sort's order).
+//  * FP8 encode: group amax as an integer max over |x|'s bits, then the branch-free fp32 -> fp8 recipe
+//    shared with the weight kernels (fp8.h), so both loops vectorise; decode reads a 256-entry table.
 // The exact arithmetic every implementation follows is documented in deepspeed_ppq/compress/ops.py.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
+
+#include "fp8.h"
 
 #include <algorithm>
 #include <cfloat>
@@ -29,6 +33,8 @@
 #include <vector>
 
 namespace {
+
+namespace fp8 = ppq::fp8;
 
 // AT_DISPATCH_* is a macro, and an OpenMP pragma may not sit inside a macro argument; this one is a call.
 template <typename F>
@@ -276,6 +282,10 @@ void quant_decode(const at::Tensor& codes, const at::Tensor& mins, const at::Ten
 // ------------------------------------------------------------------------------------------------
 // FP8
 
+// Clamp to [-fmax, fmax]; NaN passes through (std::max/min return their first argument on NaN).
+inline float clamp_fp8(float y, float fmax) { return std::min(std::max(y, -fmax), fmax); }
+inline uint32_t fbits(float f) { return fp8::bits(f); }
+
 template <typename F8>
 struct Fp8Lut {
   float v[256];
@@ -307,21 +317,19 @@ void fp8_encode(const at::Tensor& x, int64_t group, int64_t fmt, at::Tensor scal
       int64_t r = g / ng, c0 = (g % ng) * group, n = std::min(d, c0 + group) - c0;
       const scalar_t* p = xp + r * d + c0;
       uint8_t* o = cp + r * d + c0;
-      float amax = 0.0f;
-      bool nan = false;
-      for (int64_t i = 0; i < n; ++i) {
-        float a = std::fabs(float(p[i]));
-        amax = a > amax ? a : amax;
-        nan |= a != a;
-      }
-      bad |= nan || !std::isfinite(amax);
+      // amax as the integer max of |x|'s bits: finite non-negative floats order like their bits, and
+      // NaN/Inf give bits >= 0x7f800000 (a NaN amax, as torch's amax, then gives scale 1 below).
+      uint32_t m = 0;
+      for (int64_t i = 0; i < n; ++i) m = std::max(m, fbits(float(p[i])) & 0x7fffffffu);
+      const float amax = fp8::from_bits(m);
+      bad |= m >= 0x7f800000u;
       double a = amax;
       sp[g] = a > 0 ? float(a / fmax) : 1.0f;
       const float inv = a > 0 ? float(double(fmax) / a) : 1.0f;
-      for (int64_t i = 0; i < n; ++i) {
-        float y = float(p[i]) * inv;
-        y = y < -fmax ? -fmax : (y > fmax ? fmax : y);  // NaN passes through
-        o[i] = fmt == 0 ? c10::Float8_e4m3fn(y).x : c10::Float8_e5m2(y).x;
+      if (fmt == 0) {
+        for (int64_t i = 0; i < n; ++i) o[i] = fp8::f32_to_e4m3(clamp_fp8(float(p[i]) * inv, fmax));
+      } else {
+        for (int64_t i = 0; i < n; ++i) o[i] = fp8::f32_to_e5m2(clamp_fp8(float(p[i]) * inv, fmax));
       }
     }
   });

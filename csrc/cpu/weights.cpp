@@ -11,15 +11,18 @@
 //   max over the integer bits of |x| (finite, non-negative floats order like their bits, and
 //   NaN/Inf show up as bits >= 0x7f800000, which marks the block's scale NaN: no extra pass for the
 //   non-finite check); rounding is clamp-then-magic-add (exact round-to-nearest-even for |y| < 2^22);
-//   fp8 encode is torch's own bit recipe (c10 fp8*_from_fp32_value) with selects instead of branches;
-//   fp8 decode is arithmetic on the bits (torch's fp8->fp32 cast is a scalar loop). NF4 needs a table
-//   lookup: 15 compares against the midpoints to encode, and a 16-entry AVX-512 permute to decode.
+//   fp8 encode is torch's own bit recipe (c10 fp8*_from_fp32_value) with selects instead of branches,
+//   fp8 decode is arithmetic on the bits (torch's fp8->fp32 cast is a scalar loop); both are shared
+//   with the other kernels in fp8.h. NF4 needs a table lookup: 15 compares against the midpoints to
+//   encode, and a 16-entry AVX-512 permute to decode.
 // * Outputs go into caller-provided buffers (`*_out` ops); the allocating ops allocate and call them.
 // * bf16 in: widened per block into a stack buffer. bf16 out: round-to-nearest-even of the fp32 product,
 //   as torch's .to(bfloat16).
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <c10/util/BFloat16.h>
+
+#include "fp8.h"
 
 #include <algorithm>
 #include <bit>
@@ -90,53 +93,11 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as c10::BFloat
   return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t(0x7fc0) : uint16_t(r);
 }
 
-// fp32 -> fp8 bits, c10's recipe (fp8e4m3fn/e5m2_from_fp32_value) with integer masks instead of
-// branches so it vectorises; inputs are already clamped to the finite range.
-inline uint32_t sel(bool c, uint32_t a, uint32_t b) {
-  uint32_t m = 0u - uint32_t(c);
-  return (a & m) | (b & ~m);
-}
-inline uint8_t f32_to_e4m3(float f) {
-  uint32_t u = bits(f);
-  uint32_t sign = u & 0x80000000u;
-  u ^= sign;
-  constexpr uint32_t dm = 141u << 23;
-  uint32_t r_dn = bits(from_bits(u) + from_bits(dm)) - dm;
-  uint32_t r_n = (u + ((uint32_t)(7 - 127) << 23) + 0x7ffffu + ((u >> 20) & 1u)) >> 20;
-  uint32_t r = sel(u < (121u << 23), r_dn, r_n);
-  r = sel(r == 0x7fu, 0x7eu, r);
-  r = sel(u > 0x7f800000u, 0x7fu, r);
-  return uint8_t(r | (sign >> 24));
-}
-inline uint8_t f32_to_e5m2(float f) {
-  uint32_t u = bits(f);
-  uint32_t sign = u & 0x80000000u;
-  u ^= sign;
-  constexpr uint32_t dm = 134u << 23;
-  uint32_t r_dn = bits(from_bits(u) + from_bits(dm)) - dm;
-  uint32_t r_n = (u + ((uint32_t)(15 - 127) << 23) + 0xfffffu + ((u >> 21) & 1u)) >> 21;
-  uint32_t r = sel(u < (113u << 23), r_dn, r_n);
-  r = sel(u > 0x7f800000u, 0x7fu, r);
-  return uint8_t(r | (sign >> 24));
-}
-// fp8 bits -> fp32, arithmetic on the bits (no table, no branch): normal = exponent rebias,
-// subnormal = mantissa * 2^-k, then the special codes (e4m3fn: NaN only; e5m2: Inf and NaN).
-inline float e4m3_to_f32(uint8_t c) {
-  uint32_t u = c & 0x7fu;
-  uint32_t nb = (u << 20) + (120u << 23);
-  uint32_t sb = bits(float(int32_t(u)) * 0x1p-9f);
-  uint32_t r = sel(u >= 8u, nb, sb);  // integer masks, not ?: (GCC keeps those as branches here)
-  r = sel(u == 0x7fu, 0x7fc00000u, r);
-  return from_bits(r | (uint32_t(c & 0x80u) << 24));
-}
-inline float e5m2_to_f32(uint8_t c) {
-  uint32_t u = c & 0x7fu;
-  uint32_t nb = (u << 21) + (112u << 23);
-  uint32_t sb = bits(float(int32_t(u)) * 0x1p-16f);
-  uint32_t r = sel(u >= 4u, nb, sb);
-  r = sel(u >= 0x7cu, 0x7f800000u | (uint32_t(u > 0x7cu) << 22), r);  // 0x7c: Inf; above: NaN
-  return from_bits(r | (uint32_t(c & 0x80u) << 24));
-}
+// fp32 <-> fp8 bits: the shared branch-free conversions (fp8.h; c10's values, vectorisable).
+using ppq::fp8::e4m3_to_f32;
+using ppq::fp8::e5m2_to_f32;
+using ppq::fp8::f32_to_e4m3;
+using ppq::fp8::f32_to_e5m2;
 
 // Round to nearest even for |y| <= 2^22 (callers clamp to +-127 first).
 inline float rne(float y) {

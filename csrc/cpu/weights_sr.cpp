@@ -11,17 +11,17 @@
 //   Blocks are independent; OpenMP splits them statically. A per-tensor fp8 scale needs the global
 //   absmax first (one extra read pass). Per block, the random numbers are made first in a pure 32-bit
 //   integer loop into a stack buffer (the 64-bit counter is a block base plus a carry), then one loop per
-//   (format, input dtype) encodes; both int8 loops vectorise. fp8 calls c10's scalar conversion.
-// * fp8 neighbours come from the round-to-nearest-even code (c10's own fp32 -> fp8 conversion, the
-//   one torch's cast uses) and the code one below or above it: fp8 codes of one sign order like
-//   their magnitudes.
+//   (format, input dtype) encodes; both int8 loops vectorise.
+// * fp8 neighbours come from the round-to-nearest-even code (c10's own fp32 -> fp8 recipe, the one
+//   torch's cast uses, in its branch-free form shared through fp8.h) and the code one below or above
+//   it: fp8 codes of one sign order like their magnitudes.
 // * A block holding NaN/Inf gets a NaN scale and zero codes; the Python front end raises.
 // * Kept apart from weights.cpp (another concern's file): the small helpers repeat on purpose.
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <c10/util/BFloat16.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Float8_e5m2.h>
+
+#include "fp8.h"
 
 #include <algorithm>
 #include <cmath>
@@ -32,6 +32,8 @@
 #include <string_view>
 
 namespace {
+
+namespace fp8 = ppq::fp8;
 
 enum class SrFmt { I8, E4M3, E5M2 };
 
@@ -58,20 +60,15 @@ inline float load(const void* x, bool bf16, int64_t i) {
   return bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(x)[i]) : static_cast<const float*>(x)[i];
 }
 
-template <class F8>
-inline float f8_value(uint8_t code) {
-  return static_cast<float>(F8(code, F8::from_bits()));
-}
-
-// Magnitude a in [0, Q] -> stochastic fp8 code with the sign of y.
-template <class F8>
+// Magnitude a in [0, Q] -> stochastic fp8 code with the sign of y. ENC/DEC: the fp8.h conversions.
+template <uint8_t (*ENC)(float), float (*DEC)(uint8_t)>
 inline uint8_t sr_fp8(float y, float a, float u, int top) {
-  const int c = F8(a).x;
-  const float v = f8_value<F8>(static_cast<uint8_t>(c));
+  const int c = ENC(a);
+  const float v = DEC(static_cast<uint8_t>(c));
   const int lo_c = v > a ? c - 1 : c;
   const int hi_c = lo_c >= top ? lo_c : lo_c + 1;
-  const float lo = f8_value<F8>(static_cast<uint8_t>(lo_c));
-  const float hi = f8_value<F8>(static_cast<uint8_t>(hi_c));
+  const float lo = DEC(static_cast<uint8_t>(lo_c));
+  const float hi = DEC(static_cast<uint8_t>(hi_c));
   const int q = u * (hi - lo) < a - lo ? hi_c : lo_c;
   return static_cast<uint8_t>(y < 0.0f ? (q | 0x80) : q);
 }
@@ -147,8 +144,8 @@ void encode_t(const void* x, int64_t i0, int64_t i1, float inv, bool finite, uin
     for (int64_t j = 0; j < len; ++j) {
       const float y = std::min(std::max(xf[j] * inv, -qmax), qmax);
       const float a = std::fabs(y);
-      codes[i0 + j] = F == SrFmt::E4M3 ? sr_fp8<c10::Float8_e4m3fn>(y, a, u[j], 0x7E)
-                                       : sr_fp8<c10::Float8_e5m2>(y, a, u[j], 0x7B);
+      codes[i0 + j] = F == SrFmt::E4M3 ? sr_fp8<fp8::f32_to_e4m3, fp8::e4m3_to_f32>(y, a, u[j], 0x7E)
+                                       : sr_fp8<fp8::f32_to_e5m2, fp8::e5m2_to_f32>(y, a, u[j], 0x7B);
     }
   }
 }
