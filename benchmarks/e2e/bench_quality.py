@@ -9,9 +9,9 @@ initialisation; each trained model is evaluated twice, with compression on (code
 off, and compared with the uncompressed run.
 
 Cases: the uncompressed run at 3 seeds (its seed-to-seed spread is the noise every difference is
-judged against); bits a8/g8, a4/g8, a8/g4, a4/g6, a4/g4, a2/g8 (per-token scales); per-sample scales at
-a4/g8 and a2/g8; TopK 50% and 10% with index reuse and with independent gradient indices (``--topk30``
-adds 30%); TopK 10% with EF and EF21; AQ-SGD at a2/g8.
+judged against); bits a8/g8, a4/g8, a8/g4, a4/g6, a4/g4, a2/g8, a8/g2 (per-token scales); per-sample
+scales (the study's granularity) at a4/g8, a8/g4, a2/g8 and a8/g2; TopK 50% and 10% with index reuse
+and with independent gradient indices (``--topk30`` adds 30%); TopK 10% with EF and EF21; AQ-SGD at a2/g8.
 
     python benchmarks/e2e/bench_quality.py               # ~11 min on 2 shared cores (2 cases at a time)
     python benchmarks/e2e/bench_quality.py --steps 400   # longer training, clearer gaps
@@ -71,9 +71,10 @@ def study_cases(noise_seeds: int = 2, topk30: bool = False) -> list[Case]:
     """The study's cases; ``noise_seeds`` extra uncompressed runs at seeds --seed+1, --seed+2, ..."""
     cases = [Case("uncompressed", "baseline")]
     cases += [Case(f"uncompressed seed+{k}", "seed noise", seed=k) for k in range(1, noise_seeds + 1)]
-    for a, g in [(8, 8), (4, 8), (8, 4), (4, 6), (4, 4), (2, 8)]:
+    for a, g in [(8, 8), (4, 8), (8, 4), (4, 6), (4, 4), (2, 8), (8, 2)]:
         cases.append(Case(f"a{a}/g{g}", "bits (per-token scales)", _q(a), _q(g)))
-    for a, g in [(4, 8), (2, 8)]:
+    # per-sample scales: the study's granularity (one min-max scale per vector)
+    for a, g in [(4, 8), (8, 4), (2, 8), (8, 2)]:
         cases.append(Case(f"a{a}/g{g} per-sample", "granularity", _q(a, "sample"), _q(g, "sample")))
     for r in (0.5, 0.3, 0.1) if topk30 else (0.5, 0.1):
         pct = int(round(r * 100))
@@ -292,9 +293,13 @@ def findings(rows: list[dict]) -> list[str]:
 
     out = [f"seed noise (uncompressed, largest |Δ| over {sum(r['group'] == 'seed noise' for r in rows)} "
            f"other seeds): {noise:.4f}"]
-    ga, gg = d("a4/g8"), d("a8/g4")
-    out.append(f"gradients more sensitive than activations (same bits, swapped): Δ a8/g4 = {gg:+.4f}, "
-               f"Δ a4/g8 = {ga:+.4f} -> {verdict(gg, ga)}")
+    for bits in (4, 2):
+        for tag, sfx in (("per-token", ""), ("per-sample", " per-sample")):
+            n_a, n_g = f"a{bits}/g8{sfx}", f"a8/g{bits}{sfx}"
+            if n_a in by and n_g in by:
+                ga, gg = d(n_a), d(n_g)
+                out.append(f"gradients more sensitive than activations ({bits} bits, {tag} scales, swapped): "
+                           f"Δ {n_g} = {gg:+.4f}, Δ {n_a} = {ga:+.4f} -> {verdict(gg, ga)}")
     g8, g6, g4 = (d(n) for n in ("a4/g8", "a4/g6", "a4/g4"))
     out.append(f"fewer gradient bits cost more: Δ a4/g8, a4/g6, a4/g4 = {g8:+.4f}, {g6:+.4f}, {g4:+.4f} -> "
                f"g4 vs g8: {verdict(g4, g8)}; g6 vs g8: {verdict(g6, g8)}")
