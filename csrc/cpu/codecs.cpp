@@ -326,10 +326,13 @@ void fp8_encode(const at::Tensor& x, int64_t group, int64_t fmt, at::Tensor scal
       double a = amax;
       sp[g] = a > 0 ? float(a / fmax) : 1.0f;
       const float inv = a > 0 ? float(double(fmax) / a) : 1.0f;
+      // Locals only in the loops: a byte store may alias anything, so a value read through the lambda's
+      // captures would be reloaded after every store and the loop would stay scalar.
+      const float q = fmax;
       if (fmt == 0) {
-        for (int64_t i = 0; i < n; ++i) o[i] = fp8::f32_to_e4m3(clamp_fp8(float(p[i]) * inv, fmax));
+        for (int64_t i = 0; i < n; ++i) o[i] = fp8::f32_to_e4m3(clamp_fp8(float(p[i]) * inv, q));
       } else {
-        for (int64_t i = 0; i < n; ++i) o[i] = fp8::f32_to_e5m2(clamp_fp8(float(p[i]) * inv, fmax));
+        for (int64_t i = 0; i < n; ++i) o[i] = fp8::f32_to_e5m2(clamp_fp8(float(p[i]) * inv, q));
       }
     }
   });
