@@ -14,11 +14,13 @@
 //   stores; the block index is i / B. Outputs fp32 or bf16 (round to nearest even, as torch).
 // * Plain CUDA C++ (raw pointers and a stream, no torch headers) so nvcc compiles it on CPU-only CI;
 //   csrc/cuda/weights_binding.cpp validates tensors and calls these entry points.
-// * The small scalar helpers (bf16 and fp8 bit conversions) repeat the CPU file's on purpose: each
-//   backend stays one self-contained file.
+// * bf16 helpers, loads, the block max and the stored scale come from common.cuh (shared with
+//   weights_sr.cu); the fp8 bit conversions repeat the CPU file's (csrc/cpu/fp8.h) in device code.
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "common.cuh"
 
 namespace ppq_cuda {
 
@@ -32,19 +34,14 @@ __constant__ float kNF4Code[16] = {
     0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
     0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
 
-constexpr int kThreads = 128;
+using common::kThreads;
+using common::bf16_to_f32;
+using common::f32_to_bf16;
+using common::load;
+using common::block_max;
 
 __device__ __forceinline__ float qmax(int f) {
   return f == kInt8 ? 127.0f : f == kInt4 ? 7.0f : f == kNF4 ? 1.0f : f == kE4M3 ? 448.0f : 57344.0f;
-}
-__device__ __forceinline__ float bf16_to_f32(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
-__device__ __forceinline__ uint16_t f32_to_bf16(float f) {
-  uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-__device__ __forceinline__ float load(const void* x, bool bf16, int64_t i) {
-  return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(x)[i]) : static_cast<const float*>(x)[i];
 }
 __device__ __forceinline__ uint8_t f32_to_e4m3(float f) {
   uint32_t u = __float_as_uint(f);
@@ -108,21 +105,8 @@ __device__ __forceinline__ uint8_t encode(float v, int f, float inv, float sc, b
   }
 }
 
-__device__ __forceinline__ uint32_t block_max(uint32_t m) {
-  __shared__ uint32_t warp_max[kThreads / 32];
-  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    m = threadIdx.x < kThreads / 32 ? warp_max[threadIdx.x] : 0u;
-    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-  }
-  return m;  // valid in thread 0
-}
-
 __device__ __forceinline__ float stored_scale(uint32_t m, int f, bool scale_bf16) {
-  float s = m >= 0x7f800000u ? __uint_as_float(0x7fc00000u) : __fdiv_rn(__uint_as_float(m), qmax(f));
-  return scale_bf16 ? bf16_to_f32(f32_to_bf16(s)) : s;
+  return common::stored_scale(m, qmax(f), scale_bf16);
 }
 
 __global__ void global_absmax_kernel(const void* x, bool bf16, int64_t n, uint32_t* out) {

@@ -11,28 +11,25 @@
 //   thread 0 writes the scale, all threads encode. A per-tensor fp8 scale takes the global max first.
 // * Plain CUDA C++ (raw pointers and a stream, no torch headers) so nvcc compiles it on CPU-only CI;
 //   csrc/cuda/weights_sr_binding.cpp validates tensors and calls the entry point.
-// * The scalar fp8/bf16 helpers repeat csrc/cuda/weights.cu's on purpose: each file stays self-contained.
+// * bf16 helpers, loads, the block max and the stored scale come from common.cuh (shared with weights.cu).
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "common.cuh"
 
 namespace ppq_cuda {
 
 namespace {
 
-constexpr int kThreads = 128;
+using common::kThreads;
+using common::bf16_to_f32;
+using common::f32_to_bf16;
+using common::load;
+using common::block_max;
 enum SrFmt : int { kInt8 = 0, kE4M3 = 1, kE5M2 = 2 };
 
 __device__ __forceinline__ float sr_qmax(int f) { return f == kInt8 ? 127.0f : f == kE4M3 ? 448.0f : 57344.0f; }
-__device__ __forceinline__ float bf16_to_f32(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
-__device__ __forceinline__ uint16_t f32_to_bf16(float f) {
-  uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-__device__ __forceinline__ float load(const void* x, bool bf16, int64_t i) {
-  return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(x)[i]) : static_cast<const float*>(x)[i];
-}
 // Round-to-nearest-even magnitude codes (input finite, >= 0, <= the format's max), as c10's conversion.
 __device__ __forceinline__ int e4m3_code(uint32_t u) {
   if (u < (121u << 23)) {
@@ -91,21 +88,8 @@ __device__ __forceinline__ uint8_t sr_encode(float v, int f, float inv, bool fin
   return uint8_t(y < 0.0f ? (k | 0x80) : k);
 }
 
-__device__ __forceinline__ uint32_t block_max(uint32_t m) {
-  __shared__ uint32_t warp_max[kThreads / 32];
-  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    m = threadIdx.x < kThreads / 32 ? warp_max[threadIdx.x] : 0u;
-    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-  }
-  return m;  // valid in thread 0
-}
-
 __device__ __forceinline__ float stored_scale(uint32_t m, int f, bool scale_bf16) {
-  float s = m >= 0x7f800000u ? __uint_as_float(0x7fc00000u) : __fdiv_rn(__uint_as_float(m), sr_qmax(f));
-  return scale_bf16 ? bf16_to_f32(f32_to_bf16(s)) : s;
+  return common::stored_scale(m, sr_qmax(f), scale_bf16);
 }
 
 __global__ void sr_global_absmax_kernel(const void* x, bool bf16, int64_t n, uint32_t* out) {
