@@ -384,7 +384,9 @@ def check_findings(rows: list[dict], metric: str = "val_loss", fine: str = "per-
     ``fine``: what ``granularity="token"`` is in the setting (per-token on the GPT, per-channel on the CNN).
     A direction "holds" when the case the study calls worse loses more than the other by more than the
     seed noise of the uncompressed run; with the right sign but a smaller gap it is "same direction,
-    within seed noise". ``verdict`` is one of "holds", "within noise", "does NOT hold", "not measured".
+    within seed noise"; with the opposite sign it does NOT hold, either within seed noise (no difference
+    measured) or beyond it (reversed). ``verdict`` is one of "holds", "within noise (same sign)",
+    "within noise (opposite sign)", "no difference", "reversed", "not measured".
     """
     lower, spec, unit = _METRICS[metric]
     by = {r["name"]: r for r in rows}
@@ -411,8 +413,14 @@ def check_findings(rows: list[dict], metric: str = "val_loss", fine: str = "per-
         if gap > 0 and (not math.isfinite(noise) or gap > noise):
             return f"holds (gap {sfmt(gap)} > seed noise {fmt(noise)})", "holds"
         if gap > 0:
-            return f"same direction, within seed noise (gap {sfmt(gap)} <= {fmt(noise)})", "within noise"
-        return f"does NOT hold (gap {sfmt(gap)}; seed noise {fmt(noise)})", "does NOT hold"
+            return (f"same direction, within seed noise (gap {sfmt(gap)} <= {fmt(noise)})",
+                    "within noise (same sign)")
+        if gap == 0:
+            return f"does NOT hold: no difference (gap 0; seed noise {fmt(noise)})", "no difference"
+        if math.isfinite(noise) and -gap <= noise:
+            return (f"does NOT hold: opposite sign, within seed noise (gap {sfmt(gap)}; seed noise "
+                    f"{fmt(noise)})", "within noise (opposite sign)")
+        return f"does NOT hold: reversed (gap {sfmt(gap)}; seed noise {fmt(noise)})", "reversed"
 
     out = []
 
@@ -540,12 +548,16 @@ def _describe(setting: str, args: dict) -> list[str]:
             "uncompressed run."]
 
 
-def write_results(setting: str, rows: list[dict], args: dict, wall: float, out: Path = RESULTS
-                  ) -> tuple[Path, Path, dict]:
-    """Write ``<stem>.{json,md}`` of one setting; returns the paths and the setting's checked findings."""
+def write_results(setting: str, rows: list[dict], args: dict, wall: float, out: Path = RESULTS,
+                  machine: dict | None = None) -> tuple[Path, Path, dict]:
+    """Write ``<stem>.{json,md}`` of one setting; returns the paths and the setting's checked findings.
+
+    ``machine``: date and machine of a recorded run (re-rendering); default: now, this machine.
+    """
     stem, title, metrics, fine = SETTINGS[setting]
     out.mkdir(parents=True, exist_ok=True)
-    meta = {**_machine(), "setting": setting, "args": args, "wall_seconds_all_settings": round(wall, 1),
+    meta = {**(machine or _machine()), "setting": setting, "args": args,
+            "wall_seconds_all_settings": round(wall, 1),
             "train_seconds_sum": round(sum(r["train_seconds"] for r in rows), 1)}
     found = {m: findings(rows, m, fine) for m in metrics}
     checks = {m: check_findings(rows, m, fine) for m in metrics}
@@ -592,7 +604,8 @@ def write_results(setting: str, rows: list[dict], args: dict, wall: float, out: 
     return jpath, mpath, checks
 
 
-def write_summary(checks: dict[str, dict], args: dict, wall: float, out: Path = RESULTS) -> Path:
+def write_summary(checks: dict[str, dict], args: dict, wall: float, out: Path = RESULTS,
+                  machine: dict | None = None) -> Path:
     """``quality_findings.md``: one row per finding, one column per (setting, metric): where it holds."""
     cols = [(s, m) for s in SETTINGS if s in checks for m in SETTINGS[s][2]]
     short = {"acc": "test acc", "val_loss": "loss"}
@@ -605,17 +618,20 @@ def write_summary(checks: dict[str, dict], args: dict, wall: float, out: Path = 
             gap = ""
             if "(gap " in text:  # "... (gap +0.1900 > seed noise ...)": keep "+0.1900"
                 gap = text.rsplit("(gap ", 1)[-1].split(";")[0].split(" >")[0].split(" <=")[0]
-            cell[(s, m, key)] = f"{v} ({gap})" if gap else v
-    meta = _machine()
+            cell[(s, m, key)] = f"{v}: {gap}" if gap else v
+    meta = machine or _machine()
     cmd = f"`python benchmarks/e2e/bench_quality.py {args['argv']}`".replace(" `", "`")
     lines = ["# Which of the study's findings hold in which setting", "",
              f"{meta['date']}, torch {meta['torch']}, {meta['cpu']}, {meta['cores']} cores; {cmd} "
              f"({wall:.0f} s).", "",
              "Per setting: " + "; ".join(f"[{SETTINGS[s][1]}]({SETTINGS[s][0]}.md)" for s in checks) + ".",
-             "A cell says whether the study's direction holds (gap above the uncompressed run's seed "
-             "noise), has the same sign within seed noise, or does NOT hold, with the gap: how much more "
-             "the case the study calls worse loses than the other, in the column's metric (loss, or "
-             "accuracy points).", "",
+             "A cell gives the verdict and the gap: how much more the case the study calls worse loses "
+             "than the other, in the column's metric (loss, or accuracy points). **holds**: positive gap "
+             "above the uncompressed run's seed noise (the largest distance of the other seeds' runs); "
+             "**within noise (same sign)**: the study's direction, too small to tell; "
+             "**within noise (opposite sign)** / **no difference**: not seen, and no measurable "
+             "difference the other way; "
+             "**reversed**: the opposite of the study, beyond seed noise.", "",
              "| finding (the study's direction) | "
              + " | ".join(f"{SETTINGS[s][1]} ({short[m]})" for s, m in cols) + " |",
              "|---|" + "---|" * len(cols)]
@@ -626,6 +642,35 @@ def write_summary(checks: dict[str, dict], args: dict, wall: float, out: Path = 
     path = out / "quality_findings.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _finish(settings: list[str], rows: dict[str, list[dict]], args: dict, wall: float, out: Path,
+            machine: dict | None = None) -> int:
+    """Write every setting's results and the cross-setting summary; print them."""
+    checks = {}
+    for s in settings:
+        jpath, mpath, checks[s] = write_results(s, rows[s], args, wall, out, machine)
+        checks[s]["noise"] = {m: f"{seed_noise(rows[s], m):{_METRICS[m][1]}}{_METRICS[m][2]}"
+                              for m in SETTINGS[s][2]}
+        print(mpath.read_text())
+        print(f"wrote {jpath} and {mpath}")
+    spath = write_summary(checks, args, wall, out, machine)
+    print(spath.read_text())
+    print(f"wrote {spath}")
+    return 0
+
+
+def _render(settings: list[str], out: Path) -> int:
+    """Re-render the markdown of recorded runs from their JSON (same rows, args, date and machine)."""
+    rows, meta = {}, None
+    for s in settings:
+        path = out / f"{SETTINGS[s][0]}.json"
+        if not path.exists():
+            raise SystemExit(f"--render-only: {path} is missing; run the setting {s!r} first")
+        rec = json.loads(path.read_text())
+        rows[s], meta = rec["cases"], rec["meta"]
+    machine = {k: meta[k] for k in ("date", "torch", "python", "cpu", "cores")}
+    return _finish(settings, rows, meta["args"], meta["wall_seconds_all_settings"], out, machine)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -660,6 +705,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topk30", action="store_true", help="also TopK 30%% (reuse and no reuse)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: few steps and samples, 1 noise seed; results to a temp dir unless --out")
+    p.add_argument("--render-only", action="store_true",
+                   help="rewrite the markdown of --settings from their recorded JSON in the results folder "
+                        "(after a change of wording; nothing is trained)")
     p.add_argument("--out", default=None, help=f"results folder (default {RESULTS.relative_to(ROOT)})")
     a = p.parse_args(argv)
     if a.layers < 3:
@@ -674,6 +722,8 @@ def main(argv: list[str] | None = None) -> int:
     out = RESULTS if not (a.out or a.quick) else Path(a.out or tempfile.mkdtemp(prefix="ppq_quality_quick_"))
     args = {k.replace("-", "_"): v for k, v in vars(a).items()}
     args["argv"] = " ".join(argv)
+    if a.render_only:
+        return _render(settings, out)
     import quality_cnn
 
     if "scratch" in settings or "finetune" in settings:
@@ -730,19 +780,9 @@ def main(argv: list[str] | None = None) -> int:
         bar.close()
     workdir.cleanup()
     wall = time.perf_counter() - t0
-    checks = {}
-    for s in settings:
-        ordered = ([rows[s]["pretrained, not fine-tuned"]] if s == "finetune" else []) + \
-            [rows[s][c.name] for c in cases[s]]
-        jpath, mpath, checks[s] = write_results(s, ordered, args, wall, out)
-        checks[s]["noise"] = {m: f"{seed_noise(ordered, m):{_METRICS[m][1]}}{_METRICS[m][2]}"
-                              for m in SETTINGS[s][2]}
-        print(mpath.read_text())
-        print(f"wrote {jpath} and {mpath}")
-    spath = write_summary(checks, args, wall, out)
-    print(spath.read_text())
-    print(f"wrote {spath}")
-    return 0
+    ordered = {s: ([rows[s]["pretrained, not fine-tuned"]] if s == "finetune" else [])
+               + [rows[s][c.name] for c in cases[s]] for s in settings}
+    return _finish(settings, ordered, args, wall, out)
 
 
 if __name__ == "__main__":
