@@ -139,6 +139,32 @@ def test_fp8_conversions_match_torch_on_every_code_and_tie(fmt):
     torch.testing.assert_close(out, every.float(), rtol=0, atol=0, equal_nan=True)
 
 
+def test_nf4_midpoints_and_bin_edges_match_reference():
+    """The AVX-512 NF4 encode looks codes up by 1/16-wide bins: every midpoint, every bin edge, and the
+    floats either side of each, in a full 4096-value block (the vector path), against the reference."""
+    mids = wops._nf4_midpoints("cpu")
+    edges = torch.arange(-16, 17, dtype=torch.float32) / 16
+    pts = torch.cat([mids, edges])
+    up, down = pts.nextafter(torch.tensor(2.0)), pts.nextafter(torch.tensor(-2.0))
+    x = torch.cat([pts, up, down, torch.tensor([1.5, -3.0])])
+    x = torch.cat([x, torch.zeros(4096 - x.numel())])
+    scale = torch.ones(1)
+    codes, ref = (torch.empty(2048, dtype=torch.uint8) for _ in range(2))
+    torch.ops.ppq.weight_quantize_codes_out(x, scale, "nf4", 4096, codes)
+    REF["weight_quantize_codes_out"](x, scale, "nf4", 4096, ref)
+    assert torch.equal(codes, ref)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("magnitude", [1e-38, 1e-37, 3e-36, 1e-30, 1e30, 1e37])
+def test_tiny_and_huge_blocks_match_reference(fmt, dtype, magnitude):
+    """Whole tensors of tiny or huge values (scales near the float range's ends): e.g. NF4's 16 / s
+    overflows for s < 1e-36, and the vector path must then scale in two steps."""
+    x = _sample((4096,), torch.float32) * magnitude
+    _assert_same_quantize(x.to(dtype), fmt, 64, torch.float32)
+
+
 def test_int_rounding_ties_are_half_even():
     s = torch.ones(1)
     x = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 126.5, 127.5, -127.5, 200.0] + [0.0] * 7)

@@ -7,17 +7,21 @@
 // * One pass over memory. A block (<= 4096 values, <= 16 KiB fp32) is read once from DRAM; the absmax
 //   loop and the encode loop then run on L1-resident data. Blocks are independent, so OpenMP splits
 //   them statically across torch's thread count (two cores here: one stream each).
-// * Every inner loop is branch-free and written so GCC vectorises it with AVX-512 at -O3: absmax is a
-//   max over the integer bits of |x| (finite, non-negative floats order like their bits, and
+// * Two paths. Full blocks (all but a partial last one; a multiple of 16 values) take explicit AVX-512
+//   loops (namespace avx) that read fp32 or bf16 straight from the input, bf16 widened in-register.
+//   The partial last block, and every block on a machine without AVX-512, takes the scalar loops,
+//   bf16 widened into a stack buffer first. Both give the same bits (the tests compare them with the
+//   reference; on this machine the scalar loops run for partial last blocks). (GCC's own vectorisation of the scalar loops spilled mask registers and ran at about one
+//   value per cycle, which left the bf16 quantizers at 0.2-0.3x a copy.)
+// * absmax is a max over the integer bits of |x| (finite, non-negative floats order like their bits, and
 //   NaN/Inf show up as bits >= 0x7f800000, which marks the block's scale NaN: no extra pass for the
-//   non-finite check); rounding is clamp-then-magic-add (exact round-to-nearest-even for |y| < 2^22);
-//   fp8 encode is torch's own bit recipe (c10 fp8*_from_fp32_value) with selects instead of branches,
-//   fp8 decode is arithmetic on the bits (torch's fp8->fp32 cast is a scalar loop); both are shared
-//   with the other kernels in fp8.h. NF4 needs a table lookup: 15 compares against the midpoints to
-//   encode, and a 16-entry AVX-512 permute to decode.
+//   non-finite check); short blocks reduce 16 at a time through one transposing tree, and the scales
+//   of a chunk of blocks are computed in one vector loop. int rounding is clamp-then-round-half-even;
+//   fp8 encode lets the FPU round (add a power-of-two magic, see fp8_codes), fp8 decode is arithmetic on
+//   the bits (torch's fp8->fp32 cast is a scalar loop); the scalar forms are shared with the other
+//   kernels in fp8.h. NF4 encodes by a 32-bin table plus one compare, and decodes with a 16-entry permute.
 // * Outputs go into caller-provided buffers (`*_out` ops); the allocating ops allocate and call them.
-// * bf16 in: widened per block into a stack buffer. bf16 out: round-to-nearest-even of the fp32 product,
-//   as torch's .to(bfloat16).
+// * bf16 out: round-to-nearest-even of the fp32 product, as torch's .to(bfloat16).
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <c10/util/BFloat16.h>
@@ -32,6 +36,9 @@
 #include <string_view>
 #ifdef __AVX512F__
 #include <immintrin.h>
+// GCC 12 reports the _mm512_undefined_*() placeholders inside the intrinsics as maybe-uninitialized
+// once they are inlined into OpenMP-outlined functions: a known false positive (GCC bug 105593).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
 namespace {
@@ -108,14 +115,14 @@ inline float rne(float y) {
 inline int threads() { return std::max(1, at::get_num_threads()); }
 
 // ---- per-block pieces ---------------------------------------------------------------------
-template <bool BF16>
-inline const float* load_block(const void* x, int64_t start, int64_t len, float* buf) {
+template <bool BF16, typename In>
+inline const float* load_block(const In* x, int64_t start, int64_t len, float* buf) {
   if constexpr (BF16) {
-    const uint16_t* p = static_cast<const uint16_t*>(x) + start;
+    const uint16_t* p = x + start;
     for (int64_t i = 0; i < len; ++i) buf[i] = bf16_to_f32(p[i]);
     return buf;
   } else {
-    return static_cast<const float*>(x) + start;
+    return x + start;
   }
 }
 
@@ -181,31 +188,10 @@ void encode_block(const float* v, int64_t len, Fmt f, float s, bool tail, uint8_
         for (int j = 0; j < 15; ++j) k += __builtin_isless(kMid.v[j], y);  // quiet compare: vectorises
         return uint8_t(k);
       };
-      int64_t i0 = 0;
-#ifdef __AVX512F__
-      // Branch-free binary search over the 15 sorted midpoints (padded with +inf to 16 lanes): four
-      // permutes + compares per 16 values instead of 15 compares; same count of midpoints < y.
-      const __m512 mids = _mm512_setr_ps(kMid.v[0], kMid.v[1], kMid.v[2], kMid.v[3], kMid.v[4], kMid.v[5],
-                                         kMid.v[6], kMid.v[7], kMid.v[8], kMid.v[9], kMid.v[10], kMid.v[11],
-                                         kMid.v[12], kMid.v[13], kMid.v[14], INFINITY);
-      const __m512 lo = _mm512_set1_ps(-1.0f), hi = _mm512_set1_ps(1.0f);
-      const __m512 vr = _mm512_set1_ps(r), vsc = _mm512_set1_ps(sc);
-      for (; i0 + 16 <= len; i0 += 16) {
-        const __m512 x = _mm512_loadu_ps(v + i0);
-        __m512 y = tail ? _mm512_div_ps(x, vsc) : _mm512_mul_ps(x, vr);
-        y = _mm512_min_ps(_mm512_max_ps(y, lo), hi);
-        __m512i k = _mm512_setzero_si512();
-        for (int step = 8; step >= 1; step >>= 1) {
-          const __m512 m = _mm512_permutexvar_ps(_mm512_add_epi32(k, _mm512_set1_epi32(step - 1)), mids);
-          k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(m, y, _CMP_LT_OQ), k, _mm512_set1_epi32(step));
-        }
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(nib + i0), _mm512_cvtepi32_epi8(k));
-      }
-#endif
       if (tail) {
-        for (int64_t i = i0; i < len; ++i) nib[i] = code(v[i] / sc);
+        for (int64_t i = 0; i < len; ++i) nib[i] = code(v[i] / sc);
       } else {
-        for (int64_t i = i0; i < len; ++i) nib[i] = code(v[i] * r);
+        for (int64_t i = 0; i < len; ++i) nib[i] = code(v[i] * r);
       }
       nib[len] = 7;
     }
@@ -263,23 +249,7 @@ void decode_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o) {
       alignas(64) float lut[16];
       for (int k = 0; k < 16; ++k) lut[k] = kNF4[k] * s;
       const int64_t np = len / 2;
-      int64_t i = 0;
-#ifdef __AVX512F__
-      {
-        const __m512 t = _mm512_load_ps(lut);
-        for (; i + 16 <= np; i += 16) {
-          __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
-          __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), t);
-          __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(c, _mm512_set1_epi32(15)), t);
-          // interleave hi/lo: out[2j] = hi[j], out[2j+1] = lo[j]
-          const __m512i i0 = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-          const __m512i i1 = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-          store16(o + 2 * i, _mm512_permutex2var_ps(hi, i0, lo));
-          store16(o + 2 * i + 16, _mm512_permutex2var_ps(hi, i1, lo));
-        }
-      }
-#endif
-      for (; i < np; ++i) {
+      for (int64_t i = 0; i < np; ++i) {
         uint8_t c = codes[i];
         store(o, 2 * i, lut[c >> 4]);
         store(o, 2 * i + 1, lut[c & 15]);
@@ -289,6 +259,296 @@ void decode_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o) {
     }
   }
 }
+
+#ifdef __AVX512F__
+// ---- AVX-512 full-block paths ------------------------------------------------------------------
+// Full blocks (every block but a partial last one) are a multiple of 16 values, so these loops run
+// without remainders. They read fp32 or bf16 straight from the input (bf16 widened in-register: a zero
+// extension and a shift), which is what makes the bf16 path as fast per value as the fp32 one; GCC's
+// auto-vectorised form of the scalar loops spilled mask registers and ran at ~1 value per cycle.
+// The math is the scalar code's, bit for bit (tests/test_weight_kernels.py compares every code):
+// cvtps_epi32 rounds to nearest even (the default MXCSR mode) like rne(); min/max take the constant
+// first so that a NaN passes through as in the scalar clamps.
+namespace avx {
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 clamp(__m512 y, __m512 lo, __m512 hi) { return _mm512_min_ps(hi, _mm512_max_ps(lo, y)); }
+
+// Bits of max |v| over len (a multiple of 16) values, as absmax_bits().
+inline uint32_t absmax_bits(const float* p, int64_t len) {
+  const __m512i mask = _mm512_set1_epi32(0x7fffffff);
+  __m512i m0 = _mm512_setzero_si512(), m1 = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 32 <= len; i += 32) {
+    m0 = _mm512_max_epu32(m0, _mm512_and_si512(_mm512_loadu_si512(p + i), mask));
+    m1 = _mm512_max_epu32(m1, _mm512_and_si512(_mm512_loadu_si512(p + i + 16), mask));
+  }
+  if (i < len) m0 = _mm512_max_epu32(m0, _mm512_and_si512(_mm512_loadu_si512(p + i), mask));
+  return _mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1));
+}
+// bf16: |x| bits order like the values on 16 bits too, so 32 values per max.
+inline uint32_t absmax_bits(const uint16_t* p, int64_t len) {
+  const __m512i mask = _mm512_set1_epi16(0x7fff);
+  __m512i m = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 32 <= len; i += 32) m = _mm512_max_epu16(m, _mm512_and_si512(_mm512_loadu_si512(p + i), mask));
+  if (i < len) {  // 16 left
+    const __m512i t = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
+    m = _mm512_max_epu16(m, _mm512_and_si512(t, mask));
+  }
+  // 32 x u16 -> max: widen both halves to u32 and reduce.
+  const __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(m));
+  const __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(m, 1));
+  return _mm512_reduce_max_epu32(_mm512_max_epu32(lo, hi)) << 16;
+}
+
+// Lane-wise maxima of |x| bits over one full block (len a multiple of 16): 16 u32 lanes whose max is
+// the block's absmax_bits (bf16: >> 16, the maxima of the 16-bit values).
+inline __m512i block_max_lanes(const float* p, int64_t len) {
+  const __m512i mask = _mm512_set1_epi32(0x7fffffff);
+  __m512i m = _mm512_and_si512(_mm512_loadu_si512(p), mask);
+  for (int64_t i = 16; i < len; i += 16) m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_loadu_si512(p + i), mask));
+  return m;
+}
+inline __m512i block_max_lanes(const uint16_t* p, int64_t len) {
+  const __m512i mask = _mm512_set1_epi16(0x7fff);
+  __m512i m = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 32 <= len; i += 32) m = _mm512_max_epu16(m, _mm512_and_si512(_mm512_loadu_si512(p + i), mask));
+  if (i < len) {  // 16 left
+    const __m512i t = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
+    m = _mm512_max_epu16(m, _mm512_and_si512(t, mask));
+  }
+  return _mm512_max_epu32(_mm512_and_si512(m, _mm512_set1_epi32(0xffff)), _mm512_srli_epi32(m, 16));
+}
+
+// The maxima of 16 vectors at once, v[k] -> lane k: a transposing tree (45 shuffles and maxes for 16
+// blocks instead of 16 separate horizontal reductions of ~10 instructions each).
+inline __m512i max_transpose16(const __m512i* v) {
+  __m512i w[8], z[4], p[2];
+  for (int k = 0; k < 8; ++k)  // [v2k | v2k+1], 8 lanes each
+    w[k] = _mm512_max_epu32(_mm512_shuffle_i64x2(v[2 * k], v[2 * k + 1], 0x44),
+                            _mm512_shuffle_i64x2(v[2 * k], v[2 * k + 1], 0xee));
+  for (int k = 0; k < 4; ++k)  // 4 lanes per block; 128-bit lane L holds block 4k + L
+    z[k] = _mm512_max_epu32(_mm512_shuffle_i64x2(w[2 * k], w[2 * k + 1], 0x88),
+                            _mm512_shuffle_i64x2(w[2 * k], w[2 * k + 1], 0xdd));
+  for (int k = 0; k < 2; ++k)  // 2 lanes per block; lane L: blocks 8k + L, 8k + 4 + L
+    p[k] = _mm512_max_epu32(_mm512_unpacklo_epi64(z[2 * k], z[2 * k + 1]),
+                            _mm512_unpackhi_epi64(z[2 * k], z[2 * k + 1]));
+  const __m512 p0 = _mm512_castsi512_ps(p[0]), p1 = _mm512_castsi512_ps(p[1]);
+  const __m512i r = _mm512_max_epu32(_mm512_castps_si512(_mm512_shuffle_ps(p0, p1, 0x88)),
+                                     _mm512_castps_si512(_mm512_shuffle_ps(p0, p1, 0xdd)));
+  // lane 4L + k holds block 4k + L: transpose the 4 x 4
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+// absmax_bits of 16 consecutive full blocks of B values into out[0..15].
+template <typename T>
+inline void absmax_bits16(const T* p, int64_t B, uint32_t* out) {
+  __m512i v[16];
+  for (int k = 0; k < 16; ++k) v[k] = block_max_lanes(p + k * B, B);
+  __m512i r = max_transpose16(v);
+  if constexpr (std::is_same_v<T, uint16_t>) r = _mm512_slli_epi32(r, 16);
+  _mm512_storeu_si512(out, r);
+}
+
+// 16 codes in 0..15 (one per 32-bit lane) -> 8 bytes, (k[2i] << 4) | k[2i+1] in byte i.
+inline __m128i pack_nibbles(__m512i k) {
+  const __m512i pairs = _mm512_or_si512(_mm512_slli_epi64(k, 4), _mm512_srli_epi64(k, 32));
+  return _mm512_cvtepi64_epi8(pairs);  // low 8 bytes
+}
+
+// NF4 encode by table instead of search: split [-1, 1] into 32 bins of width 1/16. Adjacent NF4
+// midpoints are >= 0.08 apart, so a bin holds at most one; the code of y (the count of midpoints < y)
+// is then base[bin] (midpoints below the bin) + (y > the bin's midpoint, +inf if none). The kernel
+// works on 16 y = x * (16 / s) (exact: a power-of-two scale commutes with rounding), so bin =
+// floor(16 y) + 16 and the comparison is against 16 * midpoint: the codes are the search's, bit for bit.
+struct NF4Bins {
+  int32_t base[32];
+  float mid16[32];  // 16 x the bin's midpoint
+  constexpr NF4Bins() : base{}, mid16{} {
+    for (int j = 0; j < 32; ++j) {
+      const float lo = -1.0f + j / 16.0f, hi = lo + 1.0f / 16.0f;
+      mid16[j] = INFINITY;
+      for (int i = 0; i < 15; ++i) {
+        if (kMid.v[i] < lo) base[j] += 1;
+        if (kMid.v[i] >= lo && kMid.v[i] < hi) {
+          if (mid16[j] != INFINITY) throw "two NF4 midpoints in one bin";  // fails the constant evaluation
+          mid16[j] = 16.0f * kMid.v[i];
+        }
+      }
+    }
+  }
+};
+constexpr NF4Bins kBins{};
+
+// 16 NF4 codes (one per 32-bit lane) of y16 = 16 y.
+inline __m512i nf4_codes(__m512 y16) {
+  y16 = clamp(y16, _mm512_set1_ps(-16.0f), _mm512_set1_ps(16.0f));
+  __m512i j = _mm512_cvt_roundps_epi32(y16, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  j = _mm512_min_epi32(_mm512_add_epi32(j, _mm512_set1_epi32(16)), _mm512_set1_epi32(31));  // y = 1: bin 31
+  const __m512i base = _mm512_permutex2var_epi32(_mm512_loadu_si512(kBins.base), j,
+                                                 _mm512_loadu_si512(kBins.base + 16));
+  const __m512 mid = _mm512_permutex2var_ps(_mm512_loadu_ps(kBins.mid16), j, _mm512_loadu_ps(kBins.mid16 + 16));
+  return _mm512_mask_add_epi32(base, _mm512_cmp_ps_mask(mid, y16, _CMP_LT_OQ), base, _mm512_set1_epi32(1));
+}
+
+// fp8 encode of 16 values y = x / scale, clamped to +-Q, with the FPU doing the rounding. With M mantissa
+// bits and E = max(exponent of |y|, emin) (emin, the smallest normal exponent, also serves the
+// subnormals), adding magic = 2^(E + 23 - M) to |y| rounds |y| to the fp8 grid of its binade (ulp
+// 2^(E - M)), round half to even, and leaves the significand m = |y| / ulp in [0, 2^(M+1)] in the low
+// bits of the sum: m = bits(|y| + magic) - bits(magic). The code is then (E - emin) * 2^M + m (m at
+// 2^(M+1) carries into the next exponent; a subnormal that rounds up to 2^M is the smallest normal).
+// Every step is exact, so these are c10's codes (fp8.h's f32_to_e4m3 / f32_to_e5m2), in ~15 instructions.
+template <bool E4M3>
+inline __m512i fp8_codes(__m512 y) {  // one code per 32-bit lane
+  constexpr int M = E4M3 ? 3 : 2;
+  constexpr int emin = E4M3 ? -6 : -14;
+  constexpr int magic_min = (emin + 127 + 23 - M) << 23;  // magic's bits at E = emin
+  const __m512i u = _mm512_castps_si512(y);
+  const __m512 a = _mm512_min_ps(_mm512_set1_ps(E4M3 ? 448.0f : 57344.0f), _mm512_abs_ps(y));  // NaN stays
+  const __m512i expo = _mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7f800000));
+  const __m512i magic = _mm512_max_epi32(_mm512_add_epi32(expo, _mm512_set1_epi32((23 - M) << 23)),
+                                         _mm512_set1_epi32(magic_min));
+  const __m512i t = _mm512_castps_si512(_mm512_add_ps(a, _mm512_castsi512_ps(magic)));
+  const __m512i m = _mm512_sub_epi32(t, magic);
+  const __m512i hi = _mm512_srli_epi32(_mm512_sub_epi32(magic, _mm512_set1_epi32(magic_min)), 23 - M);
+  __m512i r = _mm512_add_epi32(m, hi);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7f));  // NaN
+  // r | (sign >> 24): ternary-logic A | (B & C)
+  return _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80), 0xf8);
+}
+
+// Store the codes of a full block, 32 values at a time: code16(i) gives the codes of values i..i+15,
+// one per 32-bit lane; one byte permute packs two such vectors (vpmovdb costs two uops per 16 codes).
+template <typename F>
+inline void store_bytes(int64_t len, uint8_t* out, F code16) {
+  const __m512i idx = _mm512_set_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                      0, 0, 0, 0, 0, 0, 124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80,
+                                      76, 72, 68, 64, 60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
+  int64_t i = 0;
+  for (; i + 32 <= len; i += 32) {
+    const __m512i both = _mm512_permutex2var_epi8(code16(i), idx, code16(i + 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_castsi512_si256(both));
+  }
+  if (i < len) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(code16(i)));
+}
+// The same for 4-bit codes (0..15 per 32-bit lane), two per byte, the first in the high nibble.
+template <typename F>
+inline void store_nibbles(int64_t len, uint8_t* out, F code16) {
+  const __m512i idx = _mm512_set_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                      120, 112, 104, 96, 88, 80, 72, 64, 56, 48, 40, 32, 24, 16, 8, 0);
+  auto pairs = [](__m512i k) { return _mm512_or_si512(_mm512_slli_epi64(k, 4), _mm512_srli_epi64(k, 32)); };
+  int64_t i = 0;
+  for (; i + 32 <= len; i += 32) {
+    const __m512i both = _mm512_permutex2var_epi8(pairs(code16(i)), idx, pairs(code16(i + 16)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i / 2), _mm512_castsi512_si128(both));
+  }
+  if (i < len) _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2), pack_nibbles(code16(i)));
+}
+
+// Encode one full block (len a multiple of 16), given what its values are multiplied by: inv_scale(s),
+// or for NF4 bitsandbytes' 1 / max(s, 1e-38). The codes are encode_block()'s.
+template <typename T>
+void encode_full_block(const T* x, int64_t len, Fmt f, float mult, uint8_t* codes) {
+  const __m512 inv = _mm512_set1_ps(mult);
+  switch (f) {
+    case Fmt::I8: {
+      const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+      store_bytes(len, codes, [&](int64_t i) { return _mm512_cvtps_epi32(clamp(_mm512_mul_ps(load16(x + i), inv), lo, hi)); });
+      break;
+    }
+    case Fmt::I4: {
+      const __m512 lo = _mm512_set1_ps(-7.0f), hi = _mm512_set1_ps(7.0f);
+      const __m512i eight = _mm512_set1_epi32(8);
+      store_nibbles(len, codes, [&](int64_t i) {
+        return _mm512_add_epi32(_mm512_cvtps_epi32(clamp(_mm512_mul_ps(load16(x + i), inv), lo, hi)), eight);
+      });
+      break;
+    }
+    case Fmt::NF4: {
+      if (mult <= 0x1p120f) {  // x * (16 / s) == 16 * (x / s)
+        const __m512 inv16 = _mm512_set1_ps(16.0f * mult);
+        store_nibbles(len, codes, [&](int64_t i) { return nf4_codes(_mm512_mul_ps(load16(x + i), inv16)); });
+      } else {  // 16 / s would overflow (s < 1e-36): scale in two steps
+        const __m512 sixteen = _mm512_set1_ps(16.0f);
+        store_nibbles(len, codes, [&](int64_t i) {
+          return nf4_codes(_mm512_mul_ps(_mm512_mul_ps(load16(x + i), inv), sixteen));
+        });
+      }
+      break;
+    }
+    case Fmt::E4M3:
+      store_bytes(len, codes, [&](int64_t i) { return fp8_codes<true>(_mm512_mul_ps(load16(x + i), inv)); });
+      break;
+    case Fmt::E5M2:
+      store_bytes(len, codes, [&](int64_t i) { return fp8_codes<false>(_mm512_mul_ps(load16(x + i), inv)); });
+      break;
+  }
+}
+
+// Decode one block of len (a multiple of 16) values: decode_block()'s values.
+template <typename Out>
+void decode_full_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o) {
+  const __m512 vs = _mm512_set1_ps(s);
+  switch (f) {
+    case Fmt::I8:
+      for (int64_t i = 0; i < len; i += 16) {
+        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
+        store16(o + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), vs));
+      }
+      break;
+    case Fmt::I4:
+    case Fmt::NF4: {
+      alignas(64) float lut[16];
+      for (int k = 0; k < 16; ++k) lut[k] = f == Fmt::NF4 ? kNF4[k] * s : float(k - 8) * s;
+      const __m512 t = _mm512_load_ps(lut);
+      for (int64_t i = 0; i < len; i += 16) {
+        // 8 bytes -> one per 64-bit lane -> (c >> 4, c & 15) in its two 32-bit halves: codes in order.
+        const __m512i c = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i / 2)));
+        const __m512i k = _mm512_or_si512(_mm512_srli_epi64(c, 4),
+                                          _mm512_slli_epi64(_mm512_and_si512(c, _mm512_set1_epi64(15)), 32));
+        store16(o + i, _mm512_permutexvar_ps(k, t));
+      }
+      break;
+    }
+    case Fmt::E4M3:
+    case Fmt::E5M2: {  // fp8.h's e4m3_to_f32 / e5m2_to_f32 with mask registers
+      const bool e4 = f == Fmt::E4M3;
+      const int man = e4 ? 20 : 21;
+      const __m512i bias = _mm512_set1_epi32(int((e4 ? 120u : 112u) << 23));
+      const __m512 sub = _mm512_set1_ps(e4 ? 0x1p-9f : 0x1p-16f);
+      const __m512i min_normal = _mm512_set1_epi32(e4 ? 8 : 4);
+      const __m512i m7f = _mm512_set1_epi32(0x7f), sign_bit = _mm512_set1_epi32(0x80);
+      for (int64_t i = 0; i < len; i += 16) {
+        const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+        const __m512i u = _mm512_and_si512(c, m7f);
+        const __m512i nb = _mm512_add_epi32(_mm512_sll_epi32(u, _mm_cvtsi32_si128(man)), bias);
+        const __m512i sb = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(u), sub));
+        __m512i r = _mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(u, min_normal), sb, nb);
+        if (e4) {
+          r = _mm512_mask_mov_epi32(r, _mm512_cmpeq_epi32_mask(u, m7f), _mm512_set1_epi32(0x7fc00000));
+        } else {  // 0x7c: Inf; above: NaN
+          const __m512i special = _mm512_or_si512(
+              _mm512_set1_epi32(0x7f800000),
+              _mm512_maskz_mov_epi32(_mm512_cmpgt_epu32_mask(u, _mm512_set1_epi32(0x7c)), _mm512_set1_epi32(1 << 22)));
+          r = _mm512_mask_mov_epi32(r, _mm512_cmpge_epu32_mask(u, _mm512_set1_epi32(0x7c)), special);
+        }
+        r = _mm512_or_si512(r, _mm512_slli_epi32(_mm512_and_si512(c, sign_bit), 24));
+        store16(o + i, _mm512_mul_ps(_mm512_castsi512_ps(r), vs));
+      }
+      break;
+    }
+  }
+}
+
+}  // namespace avx
+#endif
 
 // ---- checks -----------------------------------------------------------------------------------
 int64_t nblocks(int64_t n, int64_t B) { return std::max<int64_t>(1, (n + B - 1) / B); }
@@ -325,21 +585,39 @@ void check_scales(const at::Tensor& s, Fmt f, int64_t n, int64_t B, bool fp32_on
 template <bool BF16>
 void quantize_impl(const at::Tensor& x, Fmt f, int64_t B, uint8_t* codes, const at::Tensor& scales,
                    bool given_scales) {
+  using In = std::conditional_t<BF16, uint16_t, float>;
   const int64_t n = x.numel(), nb = nblocks(n, B);
-  const void* xp = x.data_ptr();
+  const In* xp = static_cast<const In*>(x.data_ptr());
   const bool per_tensor = scales.numel() == 1 && nb > 1;
   const bool bf16_scale = scales.scalar_type() == at::kBFloat16;
   float* sf = bf16_scale ? nullptr : scales.data_ptr<float>();
   uint16_t* sh = bf16_scale ? reinterpret_cast<uint16_t*>(scales.data_ptr()) : nullptr;
   const int64_t tail_len = n - (nb - 1) * B;
+  auto block_len = [&](int64_t b) { return b == nb - 1 ? tail_len : B; };
+  // Full blocks go straight from the input through the AVX-512 loops; the partial last block (and
+  // every block without AVX-512) is widened to fp32 into `buf` and takes the scalar loops.
+  auto block_absmax = [&](int64_t b, float* buf) {
+    const int64_t len = block_len(b);
+#ifdef __AVX512F__
+    if (len % 16 == 0) return avx::absmax_bits(xp + b * B, len);
+#endif
+    return absmax_bits(load_block<BF16>(xp, b * B, len, buf), len);
+  };
+  auto block_encode = [&](int64_t b, float s, float mult, float* buf) {
+    const int64_t len = block_len(b);
+    uint8_t* c = codes + (packed4(f) ? b * B / 2 : b * B);
+#ifdef __AVX512F__
+    if (len == B) return avx::encode_full_block(xp + b * B, len, f, mult, c);
+#endif
+    encode_block(load_block<BF16>(xp, b * B, len, buf), len, f, s, len != B, c);
+  };
   float tensor_scale = 0.0f;
   if (per_tensor && !given_scales) {
     uint32_t m = 0;
 #pragma omp parallel for num_threads(threads()) schedule(static) reduction(max : m)
     for (int64_t b = 0; b < nb; ++b) {
       alignas(64) float buf[4096];
-      const int64_t len = b == nb - 1 ? tail_len : B;
-      uint32_t mb = absmax_bits(load_block<BF16>(xp, b * B, len, buf), len);
+      const uint32_t mb = block_absmax(b, buf);
       m = mb > m ? mb : m;
     }
     tensor_scale = make_scale(m, f, bf16_scale);
@@ -348,34 +626,45 @@ void quantize_impl(const at::Tensor& x, Fmt f, int64_t B, uint8_t* codes, const 
     tensor_scale = sf[0];
   }
   // Blocks go in chunks of >= 1024 values: the absmax of every block of a chunk, then all its scales
-  // (one vectorised loop of divisions), then the encodes. This keeps short blocks from paying a serial
-  // reduce -> divide -> divide latency chain each.
+  // (one vectorised loop of divisions), then the encodes (the chunk is in L1 by then). This keeps
+  // short blocks from paying a serial reduce -> divide -> divide latency chain each.
   const int64_t per_chunk = std::max<int64_t>(1, 1024 / B);
   const int64_t nchunks = (nb + per_chunk - 1) / per_chunk;
   const bool par = n > (1 << 15);  // small tensors stay on one thread
 #pragma omp parallel for num_threads(par ? threads() : 1) schedule(static)
   for (int64_t ch = 0; ch < nchunks; ++ch) {
     alignas(64) float buf[4096];
-    alignas(64) float sc[64];
+    alignas(64) float sc[64], mult[64];
     alignas(64) uint32_t mb[64];
-    const int64_t b0 = ch * per_chunk, b1 = std::min(nb, b0 + per_chunk), nbc = b1 - b0;
-    const int64_t clen = (b1 == nb ? n : b1 * B) - b0 * B;
-    const float* v = load_block<BF16>(xp, b0 * B, clen, buf);
+    const int64_t b0 = ch * per_chunk, nbc = std::min(nb, b0 + per_chunk) - b0;
     if (per_tensor || given_scales) {
       for (int64_t j = 0; j < nbc; ++j) sc[j] = per_tensor ? tensor_scale : sf[b0 + j];
     } else {
-      for (int64_t j = 0; j < nbc; ++j) mb[j] = absmax_bits(v + j * B, std::min(B, clen - j * B));
-      for (int64_t j = 0; j < nbc; ++j) sc[j] = make_scale(mb[j], f, bf16_scale);
+      int64_t j = 0;
+#ifdef __AVX512F__
+      if (B <= 64) {  // short blocks: 16 at a time, without a horizontal reduction each
+        for (; j + 16 <= nbc && block_len(b0 + j + 15) == B; j += 16) avx::absmax_bits16(xp + (b0 + j) * B, B, mb + j);
+      }
+#endif
+      for (; j < nbc; ++j) mb[j] = block_absmax(b0 + j, buf);
+      // make_scale() for the whole chunk, in loops without branches (they vectorise: a scalar division
+      // per block cost as much as the absmax pass)
+      const float q = qmax(f);
+      for (int64_t j = 0; j < nbc; ++j) sc[j] = from_bits(mb[j]) / q;
+      for (int64_t j = 0; j < nbc; ++j) sc[j] = mb[j] >= 0x7f800000u ? std::numeric_limits<float>::quiet_NaN() : sc[j];
       if (bf16_scale) {
         for (int64_t j = 0; j < nbc; ++j) sh[b0 + j] = f32_to_bf16(sc[j]);
+        for (int64_t j = 0; j < nbc; ++j) sc[j] = bf16_to_f32(sh[b0 + j]);
       } else {
         for (int64_t j = 0; j < nbc; ++j) sf[b0 + j] = sc[j];
       }
     }
-    for (int64_t j = 0; j < nbc; ++j) {
-      const int64_t b = b0 + j, len = b == nb - 1 ? tail_len : B;
-      encode_block(v + j * B, len, f, sc[j], len != B, codes + (packed4(f) ? b * B / 2 : b * B));
+    if (f == Fmt::NF4) {  // two loops with the format test outside: both vectorise
+      for (int64_t j = 0; j < nbc; ++j) mult[j] = 1.0f / std::max(sc[j], 1e-38f);
+    } else {
+      for (int64_t j = 0; j < nbc; ++j) mult[j] = inv_scale(sc[j]);
     }
+    for (int64_t j = 0; j < nbc; ++j) block_encode(b0 + j, sc[j], mult[j], buf);
   }
 }
 
@@ -417,7 +706,14 @@ void dequantize_impl(const uint8_t* codes, const S* sp, bool per_tensor, Fmt f, 
 #pragma omp parallel for num_threads(par ? threads() : 1) schedule(static)
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t len = b == nb - 1 ? tail_len : B;
-    decode_block<Out>(codes + (packed4(f) ? b * B / 2 : b * B), len, f, scale(b), o + b * B);
+    const uint8_t* c = codes + (packed4(f) ? b * B / 2 : b * B);
+#ifdef __AVX512F__
+    if (len % 16 == 0) {
+      avx::decode_full_block<Out>(c, len, f, scale(b), o + b * B);
+      continue;
+    }
+#endif
+    decode_block<Out>(c, len, f, scale(b), o + b * B);
   }
 }
 
