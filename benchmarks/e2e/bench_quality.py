@@ -535,11 +535,12 @@ def _describe(setting: str, args: dict) -> list[str]:
                 "(the initialisation is the checkpoint). Δ = validation loss minus the uncompressed "
                 "fine-tuning run's; the `pretrained, not fine-tuned` row is the checkpoint itself.",
                 "AQ-SGD differs from its plain codec only from the second epoch on (not reached here)."]
-    w, n = args["cnn_width"], args["cnn_batch"]
+    w, n, size = args["cnn_width"], args["cnn_batch"], args.get("cnn_size", 16)
+    hw = size * size
     return [f"ReLU ResNet (BasicBlocks with BatchNorm; widths {w}/{w}/{2 * w}/{2 * w}, 4 stages, a "
             "compressed boundary after each of the first three: [N, C, H*W] = "
-            f"[{n}, {w}, 256], [{n}, {w}, 256], [{n}, {2 * w}, 64]) "
-            f"on generated 3x16x16 images of 10 grating orientations (`quality_cnn.make_images`: "
+            f"[{n}, {w}, {hw}], [{n}, {w}, {hw}], [{n}, {2 * w}, {hw // 4}]) "
+            f"on generated 3x{size}x{size} images of 10 grating orientations (`quality_cnn.make_images`: "
             f"{args['cnn_train']} training, {args['cnn_test']} test images); {args['cnn_steps']} steps of "
             f"{n} ({args['cnn_steps'] * n / args['cnn_train']:.1f} epochs), SGD "
             f"momentum 0.9, lr {args['cnn_lr']}, weight decay 5e-4, warm-up + cosine; seed {args['seed']}. "

@@ -47,13 +47,15 @@ CNN_DEFAULTS = {
     "cnn_lr": 0.05,
     "cnn_train": 8000,
     "cnn_test": 2000,
+    "cnn_size": 16,
 }
 
 
 def make_images(n: int, seed: int, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` generated images ``[n, 3, size, size]`` (float32, roughly zero-mean) and labels ``[n]``.
 
-    Deterministic in ``(n, seed, size)``; the training and test sets use different seeds.
+    Deterministic in ``(n, seed, size)``; the training and test sets use different seeds. A larger
+    ``size`` draws the same pictures at a higher resolution (window size and wavelength scale with it).
     """
     if n < 1 or size < 8:
         raise ValueError(f"make_images(n={n}, size={size}): need n >= 1 and size >= 8")
@@ -65,12 +67,13 @@ def make_images(n: int, seed: int, size: int = 16) -> tuple[torch.Tensor, torch.
     y = torch.randint(0, N_CLASSES, (n,), generator=g)
     spacing = math.pi / N_CLASSES
     coords = torch.arange(size, dtype=torch.float32)
+    k = size / 16  # scale of the 16x16 design
     yy, xx = torch.meshgrid(coords, coords, indexing="ij")  # [S, S]
 
     def gabor(theta: torch.Tensor, amp: torch.Tensor) -> torch.Tensor:
         """One Gabor patch per image with the given orientation ``[n]`` and amplitude ``[n]``."""
-        freq, phase = u(0.12, 0.30), u(0.0, 2 * math.pi)
-        cx, cy, sigma = u(3.0, size - 4.0), u(3.0, size - 4.0), u(2.5, 5.0)
+        freq, phase = u(0.12, 0.30) / k, u(0.0, 2 * math.pi)
+        cx, cy, sigma = u(3.0 * k, size - 4.0 * k), u(3.0 * k, size - 4.0 * k), u(2.5, 5.0) * k
         xs, ys = xx[None] - cx[:, None, None], yy[None] - cy[:, None, None]  # [n, S, S]
         along = xs * torch.cos(theta)[:, None, None] + ys * torch.sin(theta)[:, None, None]
         wave = torch.cos(2 * math.pi * freq[:, None, None] * along + phase[:, None, None])
@@ -138,9 +141,10 @@ class ResNetStages(nn.Sequential):
         super().__init__(*mods)
 
 
-def boundary_shapes(width: int, batch: int) -> list[tuple[int, int, int]]:
-    """The ``[N, C, H*W]`` shape each codec sees (16x16 images)."""
-    return [(batch, width, 256), (batch, width, 256), (batch, 2 * width, 64)]
+def boundary_shapes(width: int, batch: int, size: int = 16) -> list[tuple[int, int, int]]:
+    """The ``[N, C, H*W]`` shape each codec sees (``size`` x ``size`` images)."""
+    hw = size * size
+    return [(batch, width, hw), (batch, width, hw), (batch, 2 * width, hw // 4)]
 
 
 def _build(case, args: dict, seed: int):
@@ -179,8 +183,9 @@ def run_cnn_case(case, args: dict) -> dict:
 
     torch.set_num_threads(1)
     seed = args["seed"] + (case.seed or 0)
-    xtr, ytr = make_images(args["cnn_train"], seed=1000 + args["seed"])
-    xte, yte = make_images(args["cnn_test"], seed=2000 + args["seed"])
+    size = args.get("cnn_size", 16)
+    xtr, ytr = make_images(args["cnn_train"], seed=1000 + args["seed"], size=size)
+    xte, yte = make_images(args["cnn_test"], seed=2000 + args["seed"], size=size)
     model, bounds = _build(case, args, seed)
     steps, batch = args["cnn_steps"], args["cnn_batch"]
     opt = torch.optim.SGD(model.parameters(), lr=args["cnn_lr"], momentum=0.9, weight_decay=5e-4)
@@ -223,7 +228,7 @@ def run_cnn_case(case, args: dict) -> dict:
     out["val_loss_plain"], out["acc_plain"] = _evaluate(model, xte, yte, 500)
     act, grad = CodecConfig(**case.act), CodecConfig(**case.grad)
     out["eval_compressed_by_default"] = act.eval_compressed
-    shapes = boundary_shapes(args["cnn_width"], batch)
+    shapes = boundary_shapes(args["cnn_width"], batch, size)
     raw = sum(math.prod(s) for s in shapes) * 4
     values_only = grad.method == "topk" and grad.reuse_indices
     out["act_bytes_ratio"] = sum(payload_nbytes(act, s, torch.float32) for s in shapes) / raw
