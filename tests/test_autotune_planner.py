@@ -199,6 +199,42 @@ def test_freed_memory_goes_to_pipeline_fill():
     assert tuned.predicted_step_time < base.predicted_step_time
 
 
+def test_optimizer_kinds_are_charged_their_measured_cost():
+    """8-bit states and the master-free update cost what the profiler measured (bitsandbytes' CPU
+    Adam8bit is ~4x fp32 Adam on this machine): each parameter is charged by what updates it, and the
+    planner weighs that against what the freed memory buys."""
+    from deepspeed_ppq.autotune.planner import optimizer_units
+
+    prob = _problem(5, 10, world_size=2, global_batch=16, micro_batch_sizes=[4], pipeline_degrees=[2],
+                    optimizer_8bit=[False, True], master_free=[False, True], optimizer_s_per_param=1e-6,
+                    optimizer_cost_ratio={"adam8bit": 4.0, "master_free": 2.0, "master_free_8bit": 5.0})
+    block = prob.layers[3]  # param_numels [params, 64]: the 64-value bias keeps fp32 states
+    n = block.param_numels[0]
+    assert optimizer_units(prob, _knobs(2, 4, 2), block, "none") == n + 64
+    assert optimizer_units(prob, _knobs(2, 4, 2, optimizer_8bit=True), block, "none") == 4 * n + 64
+    assert optimizer_units(prob, _knobs(2, 4, 2, master_free=True), block, "int8") == 2 * n + 64
+    both = _knobs(2, 4, 2, optimizer_8bit=True, master_free=True)
+    assert optimizer_units(prob, both, block, "int8") == 5 * n + 64
+    assert optimizer_units(prob, _knobs(2, 4, 2, master_free=True), block, "none") == n + 64
+    free = plan_pipeline(prob)  # no budget: nothing to buy with the slower optimizers
+    assert not free.optimizer_8bit and not free.master_free
+    levels = [next((f for f in s.formats if f != "none"), "none") for s in free.stages]
+    stages = [StageChoice(s.layers[0], s.layers[1], lv, s.recompute) for s, lv in zip(free.stages, levels)]
+    pipeline = evaluate_stages(prob, _knobs(2, 4, free.num_microbatches), stages)["pipeline_time"]
+    extras = free.predicted_step_time - pipeline
+    params = [sum(layer.params for layer in prob.layers[s.layers[0] : s.layers[1]]) for s in free.stages]
+    assert extras == pytest.approx(1e-6 * max(params))  # fp32 Adam on the larger stage
+    # the budget of test_freed_memory_goes_to_pipeline_fill, where something must give: at 1 us/param
+    # 4x dearer 8-bit states lose to recomputation; at 10 ns/param they are the cheaper way to fit
+    prob.master_free = [False]
+    prob.memory_budget = int(max(s.peak_memory for s in free.stages) * 0.85)
+    dear = plan_pipeline(prob)
+    assert not dear.optimizer_8bit and any(s.recompute for s in dear.stages)
+    prob.optimizer_s_per_param = 1e-8
+    cheap = plan_pipeline(prob)
+    assert cheap.optimizer_8bit and not any(s.recompute for s in cheap.stages)
+
+
 def test_infeasible_budget_names_smallest_fit():
     prob = _problem(1, 6, world_size=2, global_batch=4, micro_batch_sizes=[1, 2])
     prob.memory_budget = 1000

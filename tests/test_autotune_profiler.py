@@ -95,7 +95,7 @@ def test_cache_roundtrip_and_mismatch(profile, tmp_path):
     assert codecs[1].wire_ratio == expect < 0.5 and codecs[1].encode_s_per_byte > 0
     key = profile_key(layers, mbs=[1, 2])
     path = tmp_path / "p.json"
-    save_cache(path, key, prof, codecs, {"optimizer_s_per_param": 1e-9})
+    save_cache(path, key, prof, codecs, {"optimizer_costs": {"adam": 1e-9}})
     data = load_cached(path, key)
     back, back_codecs = layers_from_cache(json.loads(json.dumps(data)))
     assert [b.to_dict() for b in back] == [p.to_dict() for p in prof] and back_codecs == codecs

@@ -30,7 +30,7 @@ __all__ = [
     "MASTER_FREE_FORMATS",
 ]
 
-_BNB_MIN_8BIT = 4096
+MIN_8BIT_SIZE = 4096  # as build_optimizer: smaller tensors keep fp32 states
 # formats whose codes can be the only weight copy (``WeightsConfig.master="none"``)
 MASTER_FREE_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
 _BNB_BLOCK = 256
@@ -42,7 +42,7 @@ def optimizer_bytes(param_numels: list[int], eight_bit: bool) -> int:
     for n in param_numels:
         if not eight_bit:
             total += 8 * n + 4  # torch Adam: two fp32 moments and a 0-dim fp32 step
-        elif n < _BNB_MIN_8BIT:
+        elif n < MIN_8BIT_SIZE:
             total += 8 * n
         else:
             total += 2 * (n + 4 * math.ceil(n / _BNB_BLOCK))

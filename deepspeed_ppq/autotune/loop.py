@@ -28,12 +28,14 @@ from pathlib import Path
 
 import torch
 
-from deepspeed_ppq.autotune.costs import CodecOption, LayerProfile
+from deepspeed_ppq.autotune.costs import NO_CODEC, CodecOption, LayerProfile
 from deepspeed_ppq.autotune.plan import Plan
 from deepspeed_ppq.autotune.planner import (
     InfeasibleBudgetError,
+    Knobs,
     PlanningProblem,
     baseline_plan,
+    optimizer_units,
     plan_pipeline,
     simulate_plan,
 )
@@ -199,7 +201,7 @@ def _canonical_codec(c: dict) -> str:
 
 
 def _problem(
-    spec: TuneSpec, world: int, layers: list[LayerProfile], codecs: list[CodecOption], link, opt_s
+    spec: TuneSpec, world: int, layers: list[LayerProfile], codecs: list[CodecOption], link, opt: dict
 ) -> PlanningProblem:
     by_label = {_canonical_codec(c.as_dict): c for c in codecs}
 
@@ -230,21 +232,9 @@ def _problem(
         master_free=[False, True] if spec.master_free else [False],
         allow_recompute=spec.allow_recompute,
         link=link,
-        optimizer_s_per_param=opt_s,
+        optimizer_s_per_param=opt["adam"],
+        optimizer_cost_ratio={k: v / opt["adam"] for k, v in opt.items() if k != "adam"},
     )
-
-
-def _optimizer_seconds_per_param(n: int = 1 << 20, reps: int = 5) -> float:
-    p = torch.nn.Parameter(torch.randn(n))
-    p.grad = torch.randn(n)
-    opt = torch.optim.Adam([p], lr=1e-3)
-    opt.step()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / n
 
 
 # ----------------------------------------------------------------------------------------------
@@ -489,9 +479,13 @@ def _calibrate(problem: PlanningProblem, runs: list[tuple[Plan, dict]]) -> dict:
             if meas > 0 and pred > 0:
                 xs.append(pred)
                 ys.append(meas)
-            params = sum(layer.params for layer in problem.layers[sp.layers[0] : sp.layers[1]])
-            if ins.get("OptimizerStep"):
-                opt.append(ins["OptimizerStep"] / params)
+            k = Knobs(plan.pipeline_degree, b, m, plan.schedule, NO_CODEC, NO_CODEC, plan.optimizer_8bit,
+                      plan.master_free)
+            lo, hi = sp.layers
+            units = sum(optimizer_units(problem, k, layer, fmt)
+                        for layer, fmt in zip(problem.layers[lo:hi], sp.formats))
+            if ins.get("OptimizerStep") and units > 0:
+                opt.append(ins["OptimizerStep"] / units)
     scale, fixed = 1.0, 0.0
     if xs:
         mx, my = statistics.mean(xs), statistics.mean(ys)
@@ -529,8 +523,7 @@ def _fit_link_and_slots(problem: PlanningProblem, runs: list[tuple[Plan, dict]])
     positive remainder. Returns ``c`` (also added to ``problem.microbatch_overhead_s``)."""
     import dataclasses
 
-    from deepspeed_ppq.autotune.costs import NO_CODEC
-    from deepspeed_ppq.autotune.planner import Knobs, StageChoice, evaluate_stages
+    from deepspeed_ppq.autotune.planner import StageChoice, evaluate_stages
 
     def predicted(plan: Plan, latency: float) -> float:
         saved = problem.link
@@ -592,8 +585,7 @@ def _calibration_plan(problem: PlanningProblem, base: Plan) -> Plan | None:
     changes too). The probe runs whether or not it fits the budget (it calibrates, it is not a
     candidate): the size farthest from the baseline's (by ratio; larger on a tie, where tuned plans
     tend to go) among those that split the global batch."""
-    from deepspeed_ppq.autotune.costs import NO_CODEC
-    from deepspeed_ppq.autotune.planner import Knobs, StageChoice, _to_plan, evaluate_stages
+    from deepspeed_ppq.autotune.planner import StageChoice, _to_plan, evaluate_stages
 
     dp, gb, b0 = base.data_parallel, base.global_batch, base.micro_batch_size
     sizes = [b for b in problem.micro_batch_sizes if b != b0 and gb % (b * dp) == 0]
@@ -611,7 +603,7 @@ def _calibration_plan(problem: PlanningProblem, base: Plan) -> Plan | None:
 
 def _predict(problem: PlanningProblem, plan: Plan) -> dict:
     """The (calibrated) model's step time and bubble for an existing plan."""
-    from deepspeed_ppq.autotune.planner import Knobs, StageChoice, evaluate_stages
+    from deepspeed_ppq.autotune.planner import StageChoice, evaluate_stages
 
     def codec(cands, cfg):
         return next((c for c in cands if c.as_dict == cfg), None) or CodecOption.make(cfg)
@@ -705,9 +697,11 @@ def run_tuning(spec: TuneSpec) -> dict | None:
             reps=spec.profile_reps,
         )
         cached = profiler.load_cached(spec.profile_cache, key) if spec.profile_cache else None
+        if cached and "optimizer_costs" not in cached:  # written before optimizer kinds were profiled
+            cached = None
         if cached:
             lprof, codecs = profiler.layers_from_cache(cached)
-            opt_s = cached["optimizer_s_per_param"]
+            opt = cached["optimizer_costs"]
             note(f"profile: loaded from {spec.profile_cache}")
         else:
             sample = train_ds[0][0]
@@ -729,24 +723,25 @@ def run_tuning(spec: TuneSpec) -> dict | None:
             shape = (max(spec.micro_batch_sizes), sample.shape[0], cfg.d_model)
             uniq = {json.dumps(c, sort_keys=True): c for c in spec.activation_codecs + spec.gradient_codecs}
             codecs = profiler.profile_codecs(list(uniq.values()), shape)
-            opt_s = _optimizer_seconds_per_param()
+            opt = profiler.optimizer_costs()
             if spec.profile_cache:
-                profiler.save_cache(spec.profile_cache, key, lprof, codecs, {"optimizer_s_per_param": opt_s})
-        payload = ([lp.to_dict() for lp in lprof], [asdict(c) for c in codecs], opt_s)
+                profiler.save_cache(spec.profile_cache, key, lprof, codecs, {"optimizer_costs": opt})
+        payload = ([lp.to_dict() for lp in lprof], [asdict(c) for c in codecs], opt)
     else:
         payload = None
-    lp_d, codec_d, opt_s = _bcast(payload)
+    lp_d, codec_d, opt = _bcast(payload)
     lprof = [LayerProfile.from_dict(d) for d in lp_d]
     codecs = [CodecOption(**{**c, "config": tuple(tuple(x) for x in c["config"])}) for c in codec_d]
     link = profiler.measure_link()
     link = _bcast(link)  # rank 0's measurement for everyone
     note(
         f"profile: {len(lprof)} layers, link {link.latency_s * 1e6:.0f} us + "
-        f"{link.bandwidth_Bps / 1e9:.2f} GB/s, "
-        f"{time.perf_counter() - t0:.1f} s"
+        f"{link.bandwidth_Bps / 1e9:.2f} GB/s, optimizer ns/param "
+        + ", ".join(f"{k} {v * 1e9:.1f}" for k, v in opt.items())
+        + f", {time.perf_counter() - t0:.1f} s"
     )
 
-    problem = _problem(spec, world, lprof, codecs, link, opt_s)
+    problem = _problem(spec, world, lprof, codecs, link, opt)
     degree = max(problem.degrees())
     base = None
     if rank == 0:
@@ -815,7 +810,8 @@ def run_tuning(spec: TuneSpec) -> dict | None:
         f"engine {calibration['fixed_per_microbatch_s'] * 1e3:.2f} ms per stage and micro-batch "
         f"(+{calibration['residual_per_slot_s'] * 1e3:.2f} ms per slot), "
         f"link latency {calibration['link_latency_s'] * 1e6:.0f} us, "
-        f"optimizer {calibration['optimizer_s_per_param'] * 1e9:.2f} ns/param"
+        f"optimizer {calibration['optimizer_s_per_param'] * 1e9:.2f} ns/param (fp32 Adam; other kinds keep "
+        "their profiled ratios)"
     )
 
     iterations, accepted = [], None

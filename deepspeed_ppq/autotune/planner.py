@@ -34,7 +34,14 @@ from itertools import product
 
 import numpy as np
 
-from deepspeed_ppq.autotune.costs import MASTER_FREE_FORMATS, NO_CODEC, CodecOption, LayerProfile, LinkModel
+from deepspeed_ppq.autotune.costs import (
+    MASTER_FREE_FORMATS,
+    MIN_8BIT_SIZE,
+    NO_CODEC,
+    CodecOption,
+    LayerProfile,
+    LinkModel,
+)
 from deepspeed_ppq.autotune.plan import Plan, StagePlan
 
 __all__ = [
@@ -79,6 +86,9 @@ class PlanningProblem:
         allow_recompute: let the planner checkpoint a stage's activations.
         link: the point-to-point link between stages (also used for the data-parallel all-reduce).
         optimizer_s_per_param: optimizer step seconds per parameter (fp32 Adam).
+        optimizer_cost_ratio: measured step cost per parameter of the other kinds relative to fp32 Adam
+            (``adam8bit``, ``master_free``, ``master_free_8bit``; see ``profiler.optimizer_costs``); a
+            missing kind costs as fp32 Adam.
         microbatch_overhead_s: fixed engine seconds per stage and micro-batch (instruction dispatch,
             buffer handling, waiting); ``run_tuning`` calibrates it from the baseline run.
     """
@@ -97,6 +107,7 @@ class PlanningProblem:
     allow_recompute: bool = True
     link: LinkModel = field(default_factory=LinkModel)
     optimizer_s_per_param: float = 0.0
+    optimizer_cost_ratio: dict[str, float] = field(default_factory=dict)
     microbatch_overhead_s: float = 0.0
 
     def levels(self) -> list[str]:
@@ -199,11 +210,25 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
     return mem
 
 
-def _extras(prob: PlanningProblem, k: Knobs, params: int) -> float:
-    """Optimizer step plus data-parallel gradient all-reduce (ring) of a stage with ``params``."""
+def optimizer_units(prob: PlanningProblem, k: Knobs, layer: LayerProfile, fmt: str) -> float:
+    """A layer's optimizer step cost in fp32-Adam parameters (times ``optimizer_s_per_param``: seconds),
+    for its weights stored in ``fmt``: each parameter weighted by the measured cost ratio of whatever
+    updates it: 8-bit states (tensors of at least ``MIN_8BIT_SIZE`` values, as ``build_optimizer``), the
+    master-free update (the Linear weights of a low-bit layer under ``master_free``) or fp32 Adam."""
+    r = prob.optimizer_cost_ratio
+    big = sum(n for n in layer.param_numels if n >= MIN_8BIT_SIZE) if k.optimizer_8bit else 0
+    q = layer.quantizable_params if k.master_free and fmt != "none" else 0
+    big = max(0, big - q)  # the quantized weights are big tensors too
+    mf = r.get("master_free_8bit" if k.optimizer_8bit else "master_free", 1.0)
+    return (layer.params - big - q) + big * r.get("adam8bit", 1.0) + q * mf
+
+
+def _extras(prob: PlanningProblem, k: Knobs, layers: list[tuple[LayerProfile, str]]) -> float:
+    """Optimizer step plus data-parallel gradient all-reduce (ring) of a stage: ``(layer, format)``s."""
     dp = prob.world_size // k.pipeline_degree
-    t = params * prob.optimizer_s_per_param
+    t = prob.optimizer_s_per_param * sum(optimizer_units(prob, k, layer, fmt) for layer, fmt in layers)
     if dp > 1:
+        params = sum(layer.params for layer, _ in layers)
         t += 2 * (dp - 1) / dp * prob.link.time(4 * params)
     return t
 
@@ -220,7 +245,8 @@ def evaluate_stages(prob: PlanningProblem, k: Knobs, stages: list[StageChoice]) 
     mems = [stage_memory(prob, k, c, s) for s, c in enumerate(stages)]
     pipeline = sum(times) + (m - 1) * max(times)
     extras = max(
-        _extras(prob, k, sum(layer.params for layer in prob.layers[c.first : c.last])) for c in stages
+        _extras(prob, k, [(layer, layer.format_for(c.level)) for layer in prob.layers[c.first : c.last]])
+        for c in stages
     )
     budget = prob.memory_budget
     return {
@@ -630,7 +656,6 @@ def simulate_plan(prob: PlanningProblem, plan: Plan) -> dict:
         for layer, fmt in zip(layers, sp.formats):
             x, y, z = layer.time(fmt, b)
             f, bi, bw = f + x, bi + y, bw + z
-        params = sum(layer.params for layer in layers)
         k = Knobs(plan.pipeline_degree, b, m, plan.schedule, a, g, plan.optimizer_8bit, plan.master_free)
         costs.append(
             StageCost(
@@ -639,7 +664,7 @@ def simulate_plan(prob: PlanningProblem, plan: Plan) -> dict:
                 backward_weight=bw,
                 recompute=sum(layer.time(fmt, b)[0] for layer, fmt in zip(layers, sp.formats)
                               if layer.recomputable) if sp.recompute else 0.0,
-                optimizer=_extras(prob, k, params),
+                optimizer=_extras(prob, k, list(zip(layers, sp.formats))),
             )
         )
         if sp.layers[1] < len(prob.layers):

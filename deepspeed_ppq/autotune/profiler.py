@@ -10,6 +10,8 @@ Per layer and per weight format the precision policy allows:
     weight error of the quantized Linear layers (the sensitivity the quality loop uses).
 Per codec: payload bytes per raw byte (``compress.payload_nbytes``) and encode/decode seconds per raw
 byte on a boundary-shaped tensor. Between ranks: latency and bandwidth (``measure_link``).
+Per optimizer kind (``optimizer_costs``): step seconds per parameter of fp32 Adam, bitsandbytes' 8-bit
+Adam and the master-free update (fp32 or 8-bit states), which differ by up to 40x on a CPU.
 
 The profile is cached as JSON keyed by the layer shapes, micro-batch sizes, formats, device and
 versions; a cache written for anything else is ignored with a warning and measured again.
@@ -281,6 +283,46 @@ def profile_codecs(
                 bits=bits,
             )
         )
+    return out
+
+
+def optimizer_costs(n: int = 1 << 20, reps: int = 5, device: torch.device | str = "cpu") -> dict[str, float]:
+    """Optimizer step seconds per parameter by kind, on an ``n``-value weight (median of ``reps``).
+
+    Kinds (what ``planner.optimizer_kind_of`` charges each parameter):
+      - ``adam``: ``torch.optim.Adam`` with fp32 states, as the engines run it;
+      - ``adam8bit``: bitsandbytes ``Adam8bit`` (its CPU backend is plain PyTorch ops: ~40x fp32 Adam);
+      - ``master_free`` / ``master_free_8bit``: a master-free int8 ``QuantLinear``'s update (dequantize,
+        AdamW, stochastic-rounding re-quantize) with fp32 or 8-bit states.
+    A kind whose package is missing (bitsandbytes) is left out; the planner then charges it as ``adam``.
+    """
+    from deepspeed_ppq.config import WeightsConfig
+    from deepspeed_ppq.quant import QuantLinear
+    from deepspeed_ppq.quant.master_free import master_free_step
+    from deepspeed_ppq.quant.optim import build_optimizer
+
+    dev = torch.device(device)
+    side = int(round(n**0.5))
+    n = side * side
+    out = {}
+    for kind in ("adam", "adam8bit"):
+        p = nn.Parameter(torch.randn(side, side, device=dev) * 0.02)
+        p.grad = torch.randn_like(p) * 1e-3
+        try:
+            opt = build_optimizer([p], kind, lr=1e-3)
+        except ImportError:
+            continue
+        out[kind] = _median_time(opt.step, dev, reps, 1) / n
+    for key, o8 in (("master_free", False), ("master_free_8bit", True)):
+        cfg = WeightsConfig(format="int8", master="none", optimizer_8bit=o8)
+        lin = nn.Linear(side, side, bias=False, device=dev)
+        try:
+            layer = QuantLinear.from_linear(lin, "int8", cfg)
+            layer.weight_grad = torch.randn(side, side, device=dev) * 1e-3
+            step = lambda: master_free_step([layer], lr=1e-3)  # noqa: E731, B023
+            out[key] = _median_time(step, dev, reps, 1) / n
+        except ImportError:
+            continue
     return out
 
 
