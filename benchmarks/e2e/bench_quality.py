@@ -21,9 +21,9 @@ per-channel on the CNN); per-sample scales (the study's granularity) at a4/g8, a
 a2/g8 and a8/g2; TopK 50% and 10% with index reuse and with independent gradient indices (``--topk30``
 adds 30%); TopK 10% with EF and EF21; AQ-SGD at a2/g8.
 
-    python benchmarks/e2e/bench_quality.py                      # all settings, ~13 min on 2 quiet cores
+    python benchmarks/e2e/bench_quality.py                      # all settings, ~13 min on 2 cores
     python benchmarks/e2e/bench_quality.py --settings scratch   # only the from-scratch GPT table
-    python benchmarks/e2e/bench_quality.py --quick --out /tmp/q # a smoke run of every setting (~1 min)
+    python benchmarks/e2e/bench_quality.py --quick --out /tmp/q # smoke run of all cases, ~1.5 min
 
 Results: benchmarks/results/quality_{small_gpt,gpt_finetune,cnn}.{json,md} and quality_findings.md
 (which finding holds in which setting).
