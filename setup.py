@@ -27,7 +27,7 @@ def _native_extensions():
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     march = os.environ.get("PPQ_MARCH", "native")
-    cxx = ["-O3", "-fopenmp", "-std=c++20", f"-march={march}", "-DPPQ_CPU"]
+    cxx = ["-O3", "-fopenmp", "-std=c++20", f"-march={march}", "-ffp-contract=off", "-DPPQ_CPU"]
     cpu_sources = sorted(glob.glob("csrc/cpu/*.cpp"))
     exts = [
         CppExtension(

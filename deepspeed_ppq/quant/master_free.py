@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from deepspeed_ppq.quant.adam8bit import adam8bit_step
 from deepspeed_ppq.quant.optim import BNB_BLOCK_SIZE, underlying_optimizer
 from deepspeed_ppq.quant.sr_ops import weight_quantize_sr_out
 
@@ -131,12 +132,10 @@ def master_free_step(layers, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, w
         t = m.optim_step
         w = m.qweight.dequantize(torch.float32)  # transient fp32 copy of this one layer
         if "state1" in st:
-            import bitsandbytes.functional as bnbf
-
             q1, q2 = _qmaps(w.device)
-            bnbf.optimizer_update_8bit_blockwise(
-                "adam", g, w, st["state1"], st["state2"], b1, b2, 0.0, 0.0, eps, t, lr,
-                q1, q2, st["absmax1"], st["absmax2"], weight_decay, grad_scale,
+            adam8bit_step(
+                w, g, st["state1"], st["state2"], st["absmax1"], st["absmax2"], q1, q2, beta1=b1, beta2=b2,
+                eps=eps, step=t, lr=lr, weight_decay=weight_decay, gnorm_scale=grad_scale,
             )  # fmt: skip
         else:
             if grad_scale != 1.0:

@@ -1,0 +1,154 @@
+"""The fused 8-bit Adam step (csrc/cpu/adam8bit.cpp) against its reference and against bitsandbytes."""
+
+import pytest
+import torch
+
+from deepspeed_ppq import ops as registry
+from deepspeed_ppq.quant.adam8bit import BLOCK, adam8bit_step, optimizer_class
+from deepspeed_ppq.quant.optim import build_optimizer
+
+bnb = pytest.importorskip("bitsandbytes")
+F = bnb.functional
+native = pytest.mark.skipif(
+    registry.native_status().get("_C") != "loaded",
+    reason=f"C++ extension not loaded ({registry.native_status().get('_C')}); run `make build`",
+)
+REF = registry.registered_ops()["adam8bit_blockwise_step_"]
+Q1, Q2 = F.create_dynamic_map(signed=True), F.create_dynamic_map(signed=False)
+
+
+def _state(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-n // BLOCK)
+    return [
+        torch.randn(n, generator=g) * 0.02,
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g),
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g),
+        torch.rand(nb, generator=g) * 1e-3,
+        torch.rand(nb, generator=g) * 1e-6,
+    ]
+
+
+def _assert_close_states(a, b, code_tol=0.0):
+    """p within 1e-5 of a step (lr 1e-3: torch's division by a scalar and ours can differ in the last
+    bit, which sqrt(v) ~ eps amplifies); absmax equal to 1e-6; codes equal but for a fraction
+    ``code_tol``, which are neighbours (a value within rounding of a midpoint)."""
+    torch.testing.assert_close(a[0], b[0], rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(a[3], b[3], rtol=1e-6, atol=0)
+    torch.testing.assert_close(a[4], b[4], rtol=1e-6, atol=0)
+    for k in (1, 2):
+        bad = a[k] != b[k]
+        share = bad.float().mean().item()
+        assert share <= code_tol, f"state{k}: {int(bad.sum())} of {bad.numel()} codes differ"
+        assert int((a[k].int() - b[k].int()).abs().max()) <= 1
+
+
+@native
+@pytest.mark.parametrize("n", [5, 256, 1000, 4096 + 77, 1 << 18])
+@pytest.mark.parametrize("weight_decay,step,gnorm_scale", [(0.0, 1, 1.0), (0.01, 7, 1.0), (0.1, 1000, 0.5)])
+def test_cpp_matches_reference(n, weight_decay, step, gnorm_scale):
+    g = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-3
+    g[::97] = 0.0
+    a, b = _state(n), _state(n)
+    args = (Q1, Q2, 0.9, 0.999, 1e-8, step, 1e-3, weight_decay, gnorm_scale)
+    torch.ops.ppq.adam8bit_blockwise_step_(a[0], g, a[1], a[2], a[3], a[4], *args)
+    REF(b[0], g, b[1], b[2], b[3], b[4], *args)
+    _assert_close_states(a, b, code_tol=1e-4)  # a code may flip where the last ulp of m / absmax does
+
+
+@native
+def test_all_zero_block_and_a_map_that_needs_bisection():
+    """An all-zero block keeps the codes of 0; a map with two midpoints in one 2^-7 cell (not
+    bitsandbytes') takes the bisection path, with the same codes as the reference."""
+    n = 3 * BLOCK
+    g = torch.randn(n) * 1e-3
+    g[:BLOCK] = 0.0
+    dense = torch.cat([torch.linspace(-1, -0.1, 100), torch.linspace(-0.099, 0.0999, 56),
+                       torch.linspace(0.1, 1, 100)])
+    for q1, q2 in ((Q1, Q2), (dense, (dense + 1) / 2)):
+        a, b = _state(n), _state(n)
+        for s in (a, b):  # block 0: zero states and gradient
+            s[1][:BLOCK] = int((q1 == 0).nonzero()[0]) if bool((q1 == 0).any()) else int(q1.abs().argmin())
+            s[2][:BLOCK] = int(q2.abs().argmin())
+            s[3][0] = s[4][0] = 0.0
+        args = (q1, q2, 0.9, 0.999, 1e-8, 3, 1e-3, 0.0, 1.0)
+        torch.ops.ppq.adam8bit_blockwise_step_(a[0], g, a[1], a[2], a[3], a[4], *args)
+        REF(b[0], g, b[1], b[2], b[3], b[4], *args)
+        _assert_close_states(a, b, code_tol=1e-3)
+        assert a[3][0] == 0 and a[4][0] == 0
+
+
+@native
+def test_agrees_with_bitsandbytes_kernel():
+    """Same algorithm as bitsandbytes' optimizer_update_8bit_blockwise: parameters to 1e-5 of a step,
+    codes equal or neighbours (its bisecting quantizer and float order can land one code off)."""
+    n = 50_000
+    g = torch.randn(n) * 1e-3
+    a, c = _state(n), _state(n)
+    adam8bit_step(a[0], g, a[1], a[2], a[3], a[4], Q1, Q2, beta1=0.9, beta2=0.999, eps=1e-8, step=4, lr=1e-3,
+                  weight_decay=0.01)
+    F.optimizer_update_8bit_blockwise("adam", g, c[0], c[1], c[2], 0.9, 0.999, 0.0, 0.0, 1e-8, 4, 1e-3,
+                                      Q1, Q2, c[3], c[4], 0.01, 1.0)
+    torch.testing.assert_close(a[0], c[0], rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(a[3], c[3], rtol=1e-6, atol=0)
+    torch.testing.assert_close(a[4], c[4], rtol=1e-6, atol=0)
+    for k, q, amax in ((1, Q1, a[3]), (2, Q2, a[4])):
+        assert (a[k] != c[k]).float().mean().item() < 0.05
+        # at most one step of the map (its widest is 0.014, next to +-1) times the block absmax apart
+        gap = (q[a[k].long()] - q[c[k].long()]).abs() * amax.repeat_interleave(BLOCK)[:n]
+        assert bool((gap <= 0.015 * amax.repeat_interleave(BLOCK)[:n]).all())
+
+
+def test_optimizer_trains_like_bitsandbytes_and_shares_its_state_dict():
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 32), torch.randn(64, 8)
+
+    def run(cls):
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+        opt = cls(model.parameters(), lr=1e-2, weight_decay=0.01)
+        losses = []
+        for _ in range(30):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return model, opt, losses
+
+    ours_cls = optimizer_class("adamw8bit")
+    assert build_optimizer([torch.nn.Parameter(torch.zeros(4))], "adamw8bit").__class__ is ours_cls
+    _, opt, ours = run(ours_cls)
+    _, _, theirs = run(bnb.optim.AdamW8bit)
+    assert ours[-1] < 0.5 * ours[0]
+    assert abs(ours[-1] - theirs[-1]) <= 0.02 * theirs[-1]
+    other = bnb.optim.AdamW8bit(run(ours_cls)[0].parameters(), lr=1e-2)
+    other.load_state_dict(opt.state_dict())  # same layout both ways
+    st = next(iter(other.state.values()))
+    assert st["state1"].dtype == torch.uint8 and st["absmax1"].dtype == torch.float32
+
+
+def test_bad_input_names_the_field():
+    a = _state(300)
+    with pytest.raises(ValueError, match="state2 is a torch.float32 tensor"):
+        adam8bit_step(a[0], torch.zeros(300), a[1], a[2].float(), a[3], a[4], Q1, Q2, beta1=0.9, beta2=0.999,
+                      eps=1e-8, step=1, lr=1e-3)
+    with pytest.raises(ValueError, match="absmax1 .* needs a contiguous torch.float32 tensor of 2 values"):
+        adam8bit_step(a[0], torch.zeros(300), a[1], a[2], a[3][:1], a[4], Q1, Q2, beta1=0.9, beta2=0.999,
+                      eps=1e-8, step=1, lr=1e-3)
+    kw = dict(beta2=0.999, eps=1e-8, lr=1e-3)
+    with pytest.raises(ValueError, match="step=0"):
+        adam8bit_step(*a[:1], torch.zeros(300), *a[1:], Q1, Q2, beta1=0.9, step=0, **kw)
+    with pytest.raises(ValueError, match="betas"):
+        adam8bit_step(*a[:1], torch.zeros(300), *a[1:], Q1, Q2, beta1=1.0, step=1, **kw)
+    with pytest.raises(ValueError, match="not an 8-bit Adam"):
+        optimizer_class("adam")
+
+
+@native
+def test_opcheck():
+    a = _state(1000)
+    g = torch.randn(1000) * 1e-3
+    args = (a[0], g, a[1], a[2], a[3], a[4], Q1, Q2, 0.9, 0.999, 1e-8, 2, 1e-3, 0.0, 1.0)
+    torch.library.opcheck(torch.ops.ppq.adam8bit_blockwise_step_.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
