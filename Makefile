@@ -38,9 +38,9 @@ demo: setup
 
 # Every benchmark, each against its baseline in the same run; results land in benchmarks/results/.
 # They take long on 2 cores and want a quiet machine (check `uptime`).
-BENCHES := ops/bench_weights.py p2p/bench_codecs.py sim/bench_simulator.py autotune/bench_planner.py \
-           p2p/bench_pipeline_comm.py sim/validate_runtime.py autotune/bench_tune.py \
-           e2e/bench_quality.py e2e/bench_e2e.py
+BENCHES := ops/bench_weights.py quant/bench_adam8bit.py quant/bench_master_free.py p2p/bench_codecs.py \
+           sim/bench_simulator.py autotune/bench_planner.py p2p/bench_pipeline_comm.py sim/validate_runtime.py \
+           autotune/bench_tune.py e2e/bench_quality.py e2e/bench_e2e.py
 
 bench: setup
 	for b in $(BENCHES); do echo "== $$b"; DS_ACCELERATOR=cpu $(PY) benchmarks/$$b || exit 1; done

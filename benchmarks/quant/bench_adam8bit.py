@@ -1,0 +1,146 @@
+"""8-bit Adam on CPU: our fused step (``ppq::adam8bit_blockwise_step_``) against bitsandbytes' CPU
+backend and torch's fp32 Adam, in one run.
+
+    .venv/bin/python benchmarks/quant/bench_adam8bit.py [--numel 4194304] [--reps 9] [--threads 1]
+
+First the check: one step of ours and of bitsandbytes' ``optimizer_update_8bit_blockwise`` from the same
+states must give the same parameters (to 1e-5 of a step) and codes one step of the map apart at most.
+Then each optimizer's ``step()`` on one weight of ``--numel`` values is timed, alternating with torch's
+foreach fp32 Adam (the baseline of the "x Adam" column: the median of per-pair ratios, so both see the
+same load): torch Adam (foreach and fused), bitsandbytes ``AdamW8bit``, ours (``AdamW8bit`` subclass).
+State bytes per parameter are counted from the optimizer's state. One thread by default: a pipeline
+stage here runs on one core.
+Results: benchmarks/results/bench_adam8bit.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from deepspeed_ppq.quant.adam8bit import adam8bit_step, optimizer_class
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results")
+
+
+def _cpu() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def check() -> None:
+    import bitsandbytes.functional as F
+
+    n = 1 << 16
+    g = torch.Generator().manual_seed(0)
+    q1, q2 = F.create_dynamic_map(signed=True), F.create_dynamic_map(signed=False)
+
+    def state():
+        g.manual_seed(1)
+        codes = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for _ in range(2)]
+        absmax = [torch.rand(n // 256, generator=g) * s for s in (1e-3, 1e-6)]
+        return [torch.randn(n, generator=g) * 0.02, *codes, *absmax]
+
+    grad = torch.randn(n, generator=g) * 1e-3
+    a, b = state(), state()
+    adam8bit_step(a[0], grad, *a[1:], q1, q2, beta1=0.9, beta2=0.999, eps=1e-8, step=3, lr=1e-3,
+                  weight_decay=0.01)
+    F.optimizer_update_8bit_blockwise("adam", grad, b[0], b[1], b[2], 0.9, 0.999, 0.0, 0.0, 1e-8, 3, 1e-3,
+                                      q1, q2, b[3], b[4], 0.01, 1.0)
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-8)
+    for k, q in ((1, q1), (2, q2)):
+        step = (q[a[k].long()] - q[b[k].long()]).abs()
+        assert bool((step <= 0.015).all()), f"state{k}: codes further apart than one step of the map"
+
+
+def _state_bytes(opt) -> float:
+    total, n = 0, 0
+    for p, st in opt.state.items():
+        n += p.numel()
+        shared = ("step", "qmap1", "qmap2")  # a counter, and bitsandbytes' code maps (one pair for all)
+        own = [v for k, v in st.items() if torch.is_tensor(v) and k not in shared]
+        total += sum(v.numel() * v.element_size() for v in own)
+    return total / max(n, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--numel", type=int, default=1 << 22)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-save", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    import bitsandbytes as bnb
+
+    check()
+    side = int(args.numel**0.5)
+    n = side * side
+    torch.manual_seed(0)
+    grad = torch.randn(side, side) * 1e-3
+
+    def make(build):
+        p = torch.nn.Parameter(torch.randn(side, side) * 0.02)
+        p.grad = grad
+        opt = build([p])
+        opt.step()
+        return opt
+
+    base = make(lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True))
+    cases = [
+        ("torch Adam, fp32 states, foreach", lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True)),
+        ("torch Adam, fp32 states, fused", lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True)),
+        ("bitsandbytes AdamW8bit (its CPU backend)", lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-3)),
+        ("deepspeed_ppq AdamW8bit (fused C++ step)", lambda ps: optimizer_class("adamw8bit")(ps, lr=1e-3)),
+    ]
+    rows = []
+    for name, build in cases:
+        opt = make(build)
+        tf, ratios = [], []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            base.step()
+            t1 = time.perf_counter()
+            opt.step()
+            t2 = time.perf_counter()
+            tf.append(t2 - t1)
+            ratios.append((t2 - t1) / (t1 - t0))
+        t = statistics.median(tf)
+        rows.append({"optimizer": name, "ms": 1e3 * t, "ns_per_param": 1e9 * t / n,
+                     "x_adam_foreach": statistics.median(ratios), "state_bytes_per_param": _state_bytes(opt)})
+    load = os.getloadavg()
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    head = (f"torch {torch.__version__}, bitsandbytes {bnb.__version__}, {_cpu()}, {os.cpu_count()} cores, "
+            f"{args.threads} thread(s), {now}, "
+            f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}. One weight of {n} values, median of "
+            f"{args.reps}; checked against bitsandbytes' kernel first.")
+    md = ["# bench_adam8bit: one optimizer step on CPU", "", head, "",
+          "x Adam = time / torch foreach Adam's time (median of alternating pairs); lower is faster.", "",
+          "| optimizer | ms | ns/param | x Adam (foreach) | state B/param |", "|---|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['optimizer']} | {r['ms']:.2f} | {r['ns_per_param']:.2f} | "
+                  f"{r['x_adam_foreach']:.2f} | {r['state_bytes_per_param']:.2f} |")
+    md += ["", "Run: `.venv/bin/python benchmarks/quant/bench_adam8bit.py`", ""]
+    print("\n".join(md))
+    if not args.no_save:
+        os.makedirs(RESULTS, exist_ok=True)
+        with open(os.path.join(RESULTS, "bench_adam8bit.json"), "w") as f:
+            json.dump({"header": head, "rows": rows}, f, indent=1)
+        with open(os.path.join(RESULTS, "bench_adam8bit.md"), "w") as f:
+            f.write("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
