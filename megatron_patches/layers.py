@@ -37,14 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from deepspeed_ppq.config import WeightFormat, WeightsConfig
-from deepspeed_ppq.quant.linear import QuantLinear
-
-# The one private name this package takes from deepspeed_ppq.quant (owned by another helper):
-# QuantLinear's autograd function (dequantize in forward and again in backward, straight-through
-# gradient to the master). QuantParallelLinear.forward needs it to return Megatron's (output, bias)
-# pair with skip_bias_add, which QuantLinear.forward cannot. Replace by a public export when quant/
-# offers one.
-from deepspeed_ppq.quant.linear import _DequantLinear as _dequant_linear_fn
+from deepspeed_ppq.quant.linear import DequantLinearFunction, QuantLinear
 from deepspeed_ppq.quant.policy import LayerDecision, PrecisionPolicy
 
 from ._compat import check_megatron_version
@@ -137,7 +130,9 @@ class QuantParallelLinear(QuantLinear):
                              "skip_weight_param_allocation (an external weight) is not supported")
         self._refresh()
         bias = self.bias if (self.bias is not None and not self.skip_bias_add) else None
-        y = _dequant_linear_fn.apply(input_, self.weight, bias, self)
+        # QuantLinear's own autograd function, called directly to return Megatron's (output, bias)
+        # pair with skip_bias_add, which QuantLinear.forward cannot
+        y = DequantLinearFunction.apply(input_, self.weight, bias, self)
         if self.mode == "frozen":
             y = y + F.linear(F.linear(input_, self.lora_A.to(input_.dtype)),
                              self.lora_B.to(input_.dtype)) * self.lora_scaling

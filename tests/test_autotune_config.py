@@ -85,7 +85,7 @@ def test_config_codecs_are_the_planners_candidates():
         CodecOption.make({"method": "quant", "bits": 6}, bits=6),
         CodecOption.make({"method": "fp8", "granularity": "sample"}, bits=8),
     ]
-    prob = _problem(spec, 2, [], profiled, None, 0.0)
+    prob = _problem(spec, 2, [], profiled, None, {"adam": 0.0})
     assert [c.label for c in prob.activation_codecs] == ["none", "quant6"]
     assert [c.label for c in prob.gradient_codecs] == ["none", "fp8"]
     assert prob.optimizer_8bit == [False] and prob.pipeline_degrees == [2] and prob.schedules == ["1f1b"]
@@ -93,7 +93,7 @@ def test_config_codecs_are_the_planners_candidates():
     only6 = [{"method": "quant", "bits": 6}]
     strict = TuneSpec(**{**d, "min_activation_bits": 8, "activation_codecs": only6})
     with pytest.raises(ValueError, match="at least 8 bits"):
-        _problem(strict, 2, [], profiled, None, 0.0)
+        _problem(strict, 2, [], profiled, None, {"adam": 0.0})
     assert NO_CODEC.label == "none"
 
 

@@ -233,7 +233,7 @@ def _problem(
         allow_recompute=spec.allow_recompute,
         link=link,
         optimizer_s_per_param=opt["adam"],
-        optimizer_cost_ratio={k: v / opt["adam"] for k, v in opt.items() if k != "adam"},
+        optimizer_cost_ratio={k: v / opt["adam"] for k, v in opt.items() if k != "adam" and opt["adam"] > 0},
     )
 
 

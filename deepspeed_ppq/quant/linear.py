@@ -4,7 +4,7 @@ Two modes (``WeightsConfig.mode``):
 
 * ``"train"``: the layer holds an fp32 master weight (``self.weight``, an ``nn.Parameter`` that the
   optimizer updates) and a low-bit compute copy (``self.qweight``, a ``QuantizedWeight``). Forward
-  and backward dequantize the compute copy on the fly inside ``_DequantLinear`` (a
+  and backward dequantize the compute copy on the fly inside ``DequantLinearFunction`` (a
   ``torch.autograd.Function``); the dequantized weight is never saved for backward, it is rebuilt
   there. The master's gradient is straight-through, ``grad_W = grad_y^T x``. After every optimizer
   step the compute copy must be refreshed from the master: ``requantize_after_step(optimizer,
@@ -44,6 +44,7 @@ from deepspeed_ppq.quant.sr_ops import SR_FORMATS
 
 __all__ = [
     "QuantLinear",
+    "DequantLinearFunction",
     "convert_model",
     "requantize_model",
     "lora_parameters",
@@ -78,7 +79,7 @@ def _dequantized(layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
     return layer.qweight.dequantize(out=_workspace(layer.qweight.shape, dtype, layer.qweight.qdata.device))
 
 
-class _DequantLinear(torch.autograd.Function):
+class DequantLinearFunction(torch.autograd.Function):
     """y = x W^T + b with W dequantized on the fly (forward and again in backward).
 
     Inputs: x [..., in] (fp32 or bf16), master [out, in] fp32, or None (frozen), or for a master-free
@@ -249,7 +250,7 @@ class QuantLinear(nn.Module):
         if x.dtype not in _COMPUTE_DTYPES:
             raise TypeError(f"QuantLinear input dtype {x.dtype} is not supported: use float32 or bfloat16")
         master = self._grad_anchor if self.master_free else self.weight
-        y = _DequantLinear.apply(x, master, self.bias, self)
+        y = DequantLinearFunction.apply(x, master, self.bias, self)
         if self.mode == "frozen":
             y = (
                 y
