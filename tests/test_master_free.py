@@ -373,6 +373,10 @@ def _ds_rank() -> None:
         out["pipe_reference"], _ = reference(batches, micro=2)
 
     write_result(out)
+    # Leave together: rank 1 used to exit while rank 0 was still computing the reference, and its
+    # teardown then aborted now and then ("terminate called without an active exception", exit -6).
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def _dp_rank() -> None:
