@@ -61,6 +61,23 @@ def test_cpp_equals_reference_bit_for_bit(fmt, dtype, per_tensor):
         assert torch.equal(s, s_ref)
 
 
+@pytest.mark.skipif(not has_kernel("weight_quantize_sr_out"), reason="needs the C++ extension (make build)")
+@pytest.mark.parametrize("block_size", [16, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", SR_FORMATS)
+def test_cpp_equals_reference_over_a_wide_range(fmt, dtype, block_size):
+    """Values spread over ~20 orders of magnitude inside each block, so fp8 subnormals, grid points and
+    the top code all come up in the AVX-512 loops (the fixed test above stays within a factor of ~50)."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5000, generator=g) * torch.exp(torch.randn(5000, generator=g) * 3)).to(dtype)
+    x[::13] = 0
+    c, s = weight_quantize_sr(x, fmt, block_size, 12345, 7 * 5000, scale_dtype=dtype)
+    c_ref, s_ref = torch.empty_like(c), torch.empty_like(s)
+    _quantize_sr_out_ref(x, fmt, block_size, 12345, 7 * 5000, c_ref, s_ref)
+    assert torch.equal(c.view(torch.uint8), c_ref.view(torch.uint8))
+    assert torch.equal(s, s_ref)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", SR_FORMATS)
 @pytest.mark.parametrize("per_tensor", [False, True])
