@@ -26,6 +26,7 @@
 #include <torch/library.h>
 #include <c10/util/BFloat16.h>
 
+#include "avx512.h"
 #include "fp8.h"
 
 #include <algorithm>
@@ -271,60 +272,13 @@ void decode_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o) {
 // first so that a NaN passes through as in the scalar clamps.
 namespace avx {
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+using ppq::avx512::absmax_bits;
+using ppq::avx512::block_max_lanes;
+using ppq::avx512::fp8_rne16;
+using ppq::avx512::fp8_value16;
+using ppq::avx512::load16;
+
 inline __m512 clamp(__m512 y, __m512 lo, __m512 hi) { return _mm512_min_ps(hi, _mm512_max_ps(lo, y)); }
-
-// Bits of max |v| over len (a multiple of 16) values, as absmax_bits().
-inline uint32_t absmax_bits(const float* p, int64_t len) {
-  const __m512i mask = _mm512_set1_epi32(0x7fffffff);
-  __m512i m0 = _mm512_setzero_si512(), m1 = _mm512_setzero_si512();
-  int64_t i = 0;
-  for (; i + 32 <= len; i += 32) {
-    m0 = _mm512_max_epu32(m0, _mm512_and_si512(_mm512_loadu_si512(p + i), mask));
-    m1 = _mm512_max_epu32(m1, _mm512_and_si512(_mm512_loadu_si512(p + i + 16), mask));
-  }
-  if (i < len) m0 = _mm512_max_epu32(m0, _mm512_and_si512(_mm512_loadu_si512(p + i), mask));
-  return _mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1));
-}
-// bf16: |x| bits order like the values on 16 bits too, so 32 values per max.
-inline uint32_t absmax_bits(const uint16_t* p, int64_t len) {
-  const __m512i mask = _mm512_set1_epi16(0x7fff);
-  __m512i m = _mm512_setzero_si512();
-  int64_t i = 0;
-  for (; i + 32 <= len; i += 32) m = _mm512_max_epu16(m, _mm512_and_si512(_mm512_loadu_si512(p + i), mask));
-  if (i < len) {  // 16 left
-    const __m512i t = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
-    m = _mm512_max_epu16(m, _mm512_and_si512(t, mask));
-  }
-  // 32 x u16 -> max: widen both halves to u32 and reduce.
-  const __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(m));
-  const __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(m, 1));
-  return _mm512_reduce_max_epu32(_mm512_max_epu32(lo, hi)) << 16;
-}
-
-// Lane-wise maxima of |x| bits over one full block (len a multiple of 16): 16 u32 lanes whose max is
-// the block's absmax_bits (bf16: >> 16, the maxima of the 16-bit values).
-inline __m512i block_max_lanes(const float* p, int64_t len) {
-  const __m512i mask = _mm512_set1_epi32(0x7fffffff);
-  __m512i m = _mm512_and_si512(_mm512_loadu_si512(p), mask);
-  for (int64_t i = 16; i < len; i += 16) m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_loadu_si512(p + i), mask));
-  return m;
-}
-inline __m512i block_max_lanes(const uint16_t* p, int64_t len) {
-  const __m512i mask = _mm512_set1_epi16(0x7fff);
-  __m512i m = _mm512_setzero_si512();
-  int64_t i = 0;
-  for (; i + 32 <= len; i += 32) m = _mm512_max_epu16(m, _mm512_and_si512(_mm512_loadu_si512(p + i), mask));
-  if (i < len) {  // 16 left
-    const __m512i t = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
-    m = _mm512_max_epu16(m, _mm512_and_si512(t, mask));
-  }
-  return _mm512_max_epu32(_mm512_and_si512(m, _mm512_set1_epi32(0xffff)), _mm512_srli_epi32(m, 16));
-}
 
 // The maxima of 16 vectors at once, v[k] -> lane k: a transposing tree (45 shuffles and maxes for 16
 // blocks instead of 16 separate horizontal reductions of ~10 instructions each).
@@ -397,30 +351,33 @@ inline __m512i nf4_codes(__m512 y16) {
   return _mm512_mask_add_epi32(base, _mm512_cmp_ps_mask(mid, y16, _CMP_LT_OQ), base, _mm512_set1_epi32(1));
 }
 
-// fp8 encode of 16 values y = x / scale, clamped to +-Q, with the FPU doing the rounding. With M mantissa
-// bits and E = max(exponent of |y|, emin) (emin, the smallest normal exponent, also serves the
-// subnormals), adding magic = 2^(E + 23 - M) to |y| rounds |y| to the fp8 grid of its binade (ulp
-// 2^(E - M)), round half to even, and leaves the significand m = |y| / ulp in [0, 2^(M+1)] in the low
-// bits of the sum: m = bits(|y| + magic) - bits(magic). The code is then (E - emin) * 2^M + m (m at
-// 2^(M+1) carries into the next exponent; a subnormal that rounds up to 2^M is the smallest normal).
-// Every step is exact, so these are c10's codes (fp8.h's f32_to_e4m3 / f32_to_e5m2), in ~15 instructions.
+// fp8 codes of 16 values y = x / scale, clamped to +-Q: avx512.h's fp8_rne16 on the magnitude (the FPU
+// does the rounding), then NaN (0x7f) and the sign bit, as fp8.h's f32_to_e4m3 / f32_to_e5m2.
 template <bool E4M3>
 inline __m512i fp8_codes(__m512 y) {  // one code per 32-bit lane
-  constexpr int M = E4M3 ? 3 : 2;
-  constexpr int emin = E4M3 ? -6 : -14;
-  constexpr int magic_min = (emin + 127 + 23 - M) << 23;  // magic's bits at E = emin
-  const __m512i u = _mm512_castps_si512(y);
   const __m512 a = _mm512_min_ps(_mm512_set1_ps(E4M3 ? 448.0f : 57344.0f), _mm512_abs_ps(y));  // NaN stays
-  const __m512i expo = _mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7f800000));
-  const __m512i magic = _mm512_max_epi32(_mm512_add_epi32(expo, _mm512_set1_epi32((23 - M) << 23)),
-                                         _mm512_set1_epi32(magic_min));
-  const __m512i t = _mm512_castps_si512(_mm512_add_ps(a, _mm512_castsi512_ps(magic)));
-  const __m512i m = _mm512_sub_epi32(t, magic);
-  const __m512i hi = _mm512_srli_epi32(_mm512_sub_epi32(magic, _mm512_set1_epi32(magic_min)), 23 - M);
-  __m512i r = _mm512_add_epi32(m, hi);
+  __m512i r = fp8_rne16<E4M3>(a);
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7f));  // NaN
   // r | (sign >> 24): ternary-logic A | (B & C)
-  return _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80), 0xf8);
+  return _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(_mm512_castps_si512(y), 24), _mm512_set1_epi32(0x80), 0xf8);
+}
+
+// Values of 16 fp8 codes (low byte of each 32-bit lane): fp8.h's e4m3_to_f32 / e5m2_to_f32, i.e.
+// avx512.h's fp8_value16 on the magnitude bits, then the NaN/Inf codes and the sign.
+template <bool E4M3>
+inline __m512 fp8_decode16(__m512i c) {
+  const __m512i m7f = _mm512_set1_epi32(0x7f);
+  const __m512i u = _mm512_and_si512(c, m7f);
+  __m512i r = _mm512_castps_si512(fp8_value16<E4M3>(u));
+  if constexpr (E4M3) {  // 0x7f: NaN
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpeq_epi32_mask(u, m7f), _mm512_set1_epi32(0x7fc00000));
+  } else {  // 0x7c: Inf; above: NaN
+    const __m512i special = _mm512_or_si512(
+        _mm512_set1_epi32(0x7f800000),
+        _mm512_maskz_mov_epi32(_mm512_cmpgt_epu32_mask(u, _mm512_set1_epi32(0x7c)), _mm512_set1_epi32(1 << 22)));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpge_epu32_mask(u, _mm512_set1_epi32(0x7c)), special);
+  }
+  return _mm512_castsi512_ps(_mm512_or_si512(r, _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24)));
 }
 
 // Store the codes of a full block, 32 values at a time: code16(i) gives the codes of values i..i+15,
@@ -518,32 +475,12 @@ void decode_full_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o
       break;
     }
     case Fmt::E4M3:
-    case Fmt::E5M2: {  // fp8.h's e4m3_to_f32 / e5m2_to_f32 with mask registers
-      const bool e4 = f == Fmt::E4M3;
-      const int man = e4 ? 20 : 21;
-      const __m512i bias = _mm512_set1_epi32(int((e4 ? 120u : 112u) << 23));
-      const __m512 sub = _mm512_set1_ps(e4 ? 0x1p-9f : 0x1p-16f);
-      const __m512i min_normal = _mm512_set1_epi32(e4 ? 8 : 4);
-      const __m512i m7f = _mm512_set1_epi32(0x7f), sign_bit = _mm512_set1_epi32(0x80);
+    case Fmt::E5M2:
       for (int64_t i = 0; i < len; i += 16) {
         const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
-        const __m512i u = _mm512_and_si512(c, m7f);
-        const __m512i nb = _mm512_add_epi32(_mm512_sll_epi32(u, _mm_cvtsi32_si128(man)), bias);
-        const __m512i sb = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(u), sub));
-        __m512i r = _mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(u, min_normal), sb, nb);
-        if (e4) {
-          r = _mm512_mask_mov_epi32(r, _mm512_cmpeq_epi32_mask(u, m7f), _mm512_set1_epi32(0x7fc00000));
-        } else {  // 0x7c: Inf; above: NaN
-          const __m512i special = _mm512_or_si512(
-              _mm512_set1_epi32(0x7f800000),
-              _mm512_maskz_mov_epi32(_mm512_cmpgt_epu32_mask(u, _mm512_set1_epi32(0x7c)), _mm512_set1_epi32(1 << 22)));
-          r = _mm512_mask_mov_epi32(r, _mm512_cmpge_epu32_mask(u, _mm512_set1_epi32(0x7c)), special);
-        }
-        r = _mm512_or_si512(r, _mm512_slli_epi32(_mm512_and_si512(c, sign_bit), 24));
-        store16(o + i, _mm512_mul_ps(_mm512_castsi512_ps(r), vs));
+        store16(o + i, _mm512_mul_ps(f == Fmt::E4M3 ? fp8_decode16<true>(c) : fp8_decode16<false>(c), vs));
       }
       break;
-    }
   }
 }
 

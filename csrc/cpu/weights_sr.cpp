@@ -14,18 +14,20 @@
 //   (format, input dtype) encodes.
 // * With AVX-512 the absmax and the encodes run 16 values at a time in explicit loops (the scalar loops
 //   stay for block tails and other machines). GCC had left them scalar, with a branch on the random
-//   sign: ~7 ns per value for int8 and ~20 for fp8, now ~0.4 and ~0.6 on one core. The fp8 loop finds
-//   the round-to-nearest-even code the way weights.cpp's fp8_codes does and decodes neighbours by bit
-//   arithmetic; tests/test_master_free.py holds every path to the reference bit for bit.
+//   sign: ~7 ns per value for int8 and ~20 for fp8, now ~0.4 and ~0.6 on one core. The absmax, the fp8
+//   round-to-nearest-even code and the neighbours' values come from avx512.h, shared with weights.cpp;
+//   tests/test_master_free.py holds every path to the reference bit for bit.
 // * fp8 neighbours come from the round-to-nearest-even code (c10's own fp32 -> fp8 recipe, the one
 //   torch's cast uses, in its branch-free form shared through fp8.h) and the code one below or above
 //   it: fp8 codes of one sign order like their magnitudes.
 // * A block holding NaN/Inf gets a NaN scale and zero codes; the Python front end raises.
-// * Kept apart from weights.cpp (another concern's file): the small helpers repeat on purpose.
+// * Kept apart from weights.cpp (another concern's file); the scalar helpers repeat on purpose, the
+//   AVX-512 ones are shared through avx512.h.
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <c10/util/BFloat16.h>
 
+#include "avx512.h"
 #include "fp8.h"
 
 #include <algorithm>
@@ -85,27 +87,9 @@ inline uint8_t sr_fp8(float y, float a, float u, int top) {
 }
 
 #ifdef __AVX512F__
-// 16 fp8 magnitudes: round-to-nearest-even code of a in [0, Q] (weights.cpp's fp8_codes: add a
-// power-of-two magic for a's binade and read the code off the sum), and the value of codes 0..top.
-template <bool E4M3>
-inline __m512i fp8_rne16(__m512 a) {
-  constexpr int M = E4M3 ? 3 : 2;
-  constexpr int magic_min = ((E4M3 ? -6 : -14) + 127 + 23 - M) << 23;
-  const __m512i expo = _mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7f800000));
-  const __m512i magic = _mm512_max_epi32(_mm512_add_epi32(expo, _mm512_set1_epi32((23 - M) << 23)),
-                                         _mm512_set1_epi32(magic_min));
-  const __m512i t = _mm512_castps_si512(_mm512_add_ps(a, _mm512_castsi512_ps(magic)));
-  const __m512i hi = _mm512_srli_epi32(_mm512_sub_epi32(magic, _mm512_set1_epi32(magic_min)), 23 - M);
-  return _mm512_add_epi32(_mm512_sub_epi32(t, magic), hi);
-}
-template <bool E4M3>
-inline __m512 fp8_value16(__m512i c) {  // fp8.h's e4m3_to_f32 / e5m2_to_f32 for non-negative codes
-  constexpr int M = E4M3 ? 3 : 2;
-  const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(c, 23 - M), _mm512_set1_epi32((E4M3 ? 120 : 112) << 23));
-  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(E4M3 ? 0x1p-9f : 0x1p-16f));
-  const __mmask16 is_normal = _mm512_cmpge_epi32_mask(c, _mm512_set1_epi32(1 << M));
-  return _mm512_mask_blend_ps(is_normal, sub, _mm512_castsi512_ps(normal));
-}
+using ppq::avx512::fp8_rne16;
+using ppq::avx512::fp8_value16;
+
 // sr_fp8 for 16 values: y clamped to [-Q, Q], a = |y|, u uniforms.
 template <bool E4M3>
 inline __m128i sr_fp8_16(__m512 y, __m512 a, __m512 u) {
@@ -125,23 +109,13 @@ float block_absmax(const void* x, bool bf16, int64_t i0, int64_t i1, bool* bad) 
   float m = 0.0f;
   bool b = false;
 #ifdef __AVX512F__
-  // Max over the bits of |v| (finite non-negative floats order like their bits; NaN/Inf have bits
-  // >= 0x7f800000), 16 values at a time; a scalar max chain here cost as much as the whole encode.
+  // avx512.h's integer-bits max over the whole multiple of 16 (NaN/Inf: bits >= 0x7f800000); a scalar
+  // max chain here cost as much as the whole encode.
   uint32_t mb = 0;
-  {
-    __m512i vm = _mm512_setzero_si512();
-    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
-    for (; i0 + 16 <= i1; i0 += 16) {
-      __m512i v;
-      if (bf16) {
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i0));
-        v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
-      } else {
-        v = _mm512_loadu_si512(static_cast<const float*>(x) + i0);
-      }
-      vm = _mm512_max_epu32(vm, _mm512_and_si512(v, abs_mask));
-    }
-    mb = _mm512_reduce_max_epu32(vm);
+  if (const int64_t n16 = (i1 - i0) & ~int64_t(15); n16 > 0) {
+    mb = bf16 ? ppq::avx512::absmax_bits(static_cast<const uint16_t*>(x) + i0, n16)
+              : ppq::avx512::absmax_bits(static_cast<const float*>(x) + i0, n16);
+    i0 += n16;
   }
   b = mb >= 0x7f800000u;
   if (!b) std::memcpy(&m, &mb, sizeof(m));
