@@ -697,8 +697,6 @@ def run_tuning(spec: TuneSpec) -> dict | None:
             reps=spec.profile_reps,
         )
         cached = profiler.load_cached(spec.profile_cache, key) if spec.profile_cache else None
-        if cached and "optimizer_costs" not in cached:  # written before optimizer kinds were profiled
-            cached = None
         if cached:
             lprof, codecs = profiler.layers_from_cache(cached)
             opt = cached["optimizer_costs"]

@@ -369,9 +369,13 @@ def measure_link(
 # ----------------------------------------------------------------------------------------------
 # Cache
 # ----------------------------------------------------------------------------------------------
+# What a cache file holds; bump when that changes (2: per-kind optimizer costs, ``optimizer_costs``).
+PROFILE_FORMAT = 2
+
+
 def profile_key(layers: Sequence[nn.Module], **settings) -> str:
     """A hash of the layer shapes, the settings (micro-batch sizes, formats, policy, ...), the
-    device and the versions; a cached profile is used only under the same key."""
+    device, the versions and ``PROFILE_FORMAT``; a cached profile is used only under the same key."""
     import deepspeed_ppq
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
@@ -381,6 +385,7 @@ def profile_key(layers: Sequence[nn.Module], **settings) -> str:
         "device": device,
         "torch": torch.__version__,
         "deepspeed_ppq": deepspeed_ppq.__version__,
+        "format": PROFILE_FORMAT,
     }
     return hashlib.sha256(json.dumps(sig, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
