@@ -16,10 +16,10 @@ def __getattr__(name: str):
         from deepspeed_ppq.integrations.deepspeed import initialize
 
         return initialize
-    if name == "autotune":
-        from deepspeed_ppq.autotune import autotune
+    if name == "autotune":  # the package, callable: deepspeed_ppq.autotune(model, loss_fn, ...)
+        import deepspeed_ppq.autotune as tuner
 
-        return autotune
+        return tuner
     if name in ("load_ppq_config", "PPQConfig"):
         from deepspeed_ppq import config
 

@@ -1,33 +1,36 @@
-"""The autotuner: profile, plan pipeline and low-bit settings together, carry the plan out, check it.
+"""The autotuner: profile, plan pipeline and low-bit settings together, measure, calibrate, check.
 
-* ``costs``: what the planner knows (``LayerProfile``, ``CodecOption``, ``LinkModel``).
-* ``profiler``: measures those with the real kernels (``profile_layers``, ``profile_codecs``,
-  ``measure_link``), cached as JSON.
-* ``planner``: ``plan_pipeline`` (exact DP over partitions, search over the other knobs) and
-  ``baseline_plan`` (what a DeepSpeed user would configure).
-* ``plan``: the versioned plan schema (``Plan``, ``load_plan``).
-* ``loop``: ``run_tuning`` inside each rank; ``report``: the markdown report.
-* ``autotune(spec, nproc)``: the whole loop on local ranks from Python (``ppq tune`` on the command line).
+* ``runner``: the protocol an engine implements for the loop (``TuningRunner``: profile, the stock
+  partitions, run a trial plan) and the measurements it returns.
+* ``loop``: ``tune(runner, settings, global_batch)``, the loop itself (best stock baseline, calibration,
+  plan, measure, quality gate, back-off).
+* ``costs`` / ``profiler``: what the planner knows per layer, codec, link and optimizer, and how it is
+  measured; ``memory``: one vocabulary for predicted and measured memory, and the tracker.
+* ``planner``: ``plan_pipeline`` (exact DP over partitions, search over the other knobs) and the stock
+  configurations; ``calibrate``: the cost model refitted to measurements.
+* ``plan``: the versioned plan file (``Plan``, ``load_plan``); ``report``: the outputs.
+
+This package imports no engine and no model: the DeepSpeed runner lives in
+``deepspeed_ppq.integrations.autotune``. ``deepspeed_ppq.autotune(model, loss_fn, train_data,
+val_data, config)`` (this package, called) runs the whole loop with that runner.
 """
 
 from __future__ import annotations
 
-import json
-import tempfile
-from dataclasses import asdict
-from pathlib import Path
+import sys
+import types
 
 from deepspeed_ppq.autotune.costs import CodecOption, LayerProfile, LinkModel
 from deepspeed_ppq.autotune.plan import PLAN_SCHEMA_VERSION, Plan, PlanError, StagePlan, load_plan
 from deepspeed_ppq.autotune.planner import (
     InfeasibleBudgetError,
     PlanningProblem,
-    baseline_plan,
     plan_pipeline,
+    stock_candidates,
+    stock_plan,
 )
 
 __all__ = [
-    "autotune",
     "Plan",
     "StagePlan",
     "PlanError",
@@ -35,7 +38,8 @@ __all__ = [
     "load_plan",
     "PlanningProblem",
     "plan_pipeline",
-    "baseline_plan",
+    "stock_plan",
+    "stock_candidates",
     "InfeasibleBudgetError",
     "LayerProfile",
     "CodecOption",
@@ -43,30 +47,15 @@ __all__ = [
 ]
 
 
-def autotune(spec=None, nproc: int = 2, config=None, **fields) -> dict:
-    """Run the tuning loop on ``nproc`` local gloo ranks and return its result (``tune.json``).
+class _CallableModule(types.ModuleType):
+    """``deepspeed_ppq.autotune(...)`` tunes a model; ``deepspeed_ppq.autotune.<module>`` is the package."""
 
-    Args:
-        spec: a ``TuneSpec`` or dict of its fields; it overrides ``config``, ``fields`` override both.
-        nproc: ranks to start (the world size the plan is for).
-        config: a ``"ppq"`` config (``PPQConfig``, dict, JSON path or whole DeepSpeed config) whose
-            ``autotune`` section and ``weights`` policy set the spec (as ``ppq tune --config``).
+    def __call__(self, model, loss_fn=None, train_data=None, val_data=None, config=None, **kwargs):
+        """Tune ``model`` with DeepSpeed's pipeline engine: see
+        ``deepspeed_ppq.integrations.autotune.autotune`` (imported here, when called)."""
+        from deepspeed_ppq.integrations.autotune import autotune
 
-    Raises:
-        RuntimeError: a rank failed (its output went to this process's stdout/stderr).
-    """
-    from deepspeed_ppq.autotune.cli import spawn_local, spec_fields_from_config
-    from deepspeed_ppq.autotune.loop import TuneSpec
+        return autotune(model, loss_fn, train_data, val_data, config, **kwargs)
 
-    d = spec_fields_from_config(config) if config is not None else {}
-    d.update(asdict(spec) if isinstance(spec, TuneSpec) else dict(spec or {}))
-    d.update(fields)
-    TuneSpec(**d)  # validate field names here, before starting processes
-    with tempfile.TemporaryDirectory(prefix="ppq-tune-") as tmp:
-        path = Path(tmp) / "spec.json"
-        path.write_text(json.dumps(d))
-        code = spawn_local(["tune", "--spec", str(path)], nproc)
-    if code:
-        raise RuntimeError(f"ppq tune failed with exit code {code}")
-    out = Path(d.get("out_dir", TuneSpec().out_dir))
-    return json.loads((out / "tune.json").read_text())
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,643 +1,167 @@
-"""The tuning loop, run inside every rank of a gloo/NCCL job (``ppq tune`` starts the ranks).
+"""The tuning loop: plan, measure, calibrate, decide, over any engine that implements ``TuningRunner``.
 
-baseline profile -> plan the DeepSpeed baseline and the tuned plan -> run each with a real
-``PPQPipelineEngine`` (explicit boundaries, weights converted per plan, micro-batches set) for a few
-steps, measuring step time and memory per stage against the prediction -> validation loss against
-the baseline -> if worse than ``val_loss_tolerance``, take low-bit formats away from the most sensitive
-layers (largest measured weight error) or drop the most aggressive codec, re-plan -> stop when
-accepted or after ``max_iterations``. Every iteration is logged and ends up in the report.
+1. **Profile** the user's model (``runner.profile``): layer times and activation bytes in every
+   weight format the precision policy allows, codecs, link, optimizer kinds.
+2. **The best stock configuration**: every setting a skilled user of the stock engine could choose
+   (pipeline degree, the engine's own partition methods, micro-batch size, recomputation on/off,
+   fp32 or 8-bit Adam) is predicted; the fastest ``stock_trials`` that the model says fit are
+   measured, and the fastest whose *measured* peak fits the budget is the baseline. Its validation
+   loss is measured over ``seeds`` seeds: the quality gate's noise.
+3. **Calibrate** time and memory on those measured trials (``calibrate``).
+4. **Plan** jointly (``planner.plan_pipeline``): low-bit weights under the precision policy, 8-bit
+   optimizer states, master-free weights, the memory they free spent on micro-batches and less
+   recomputation, stage boundaries re-balanced for the stages' new costs, codecs.
+5. **Measure the plan**. Over the budget (measured peak, with the same tolerance as the baseline):
+   recalibrate memory and plan again. Validation loss outside the gate: back off (the most sensitive
+   layer loses its format, master-free weights get their masters back, the most aggressive codec
+   goes) and plan again. Accepted, or ``max_iterations`` spent.
 
-Measured memory on CPU: the storage of weights, masters, gradients and optimizer states
-(``quant.measure_storage`` just before an optimizer step, when gradients and states all exist), the
-peak of the activations autograd keeps alive (a ``saved_tensors_hooks`` ledger: each saved storage is
-counted while any saved reference to it lives) and DeepSpeed's pipe buffers. On CUDA
-``torch.cuda.max_memory_allocated`` is reported beside it.
+Every rank runs this loop over its own runner; runners return the same measurements on every rank,
+so every rank takes the same decisions. Nothing here imports an engine or a model.
 """
 
 from __future__ import annotations
 
-import copy
 import json
-import math
-import os
 import statistics
 import time
-import weakref
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-import torch
-
-from deepspeed_ppq.autotune.costs import NO_CODEC, CodecOption, LayerProfile
+from deepspeed_ppq.autotune import calibrate
+from deepspeed_ppq.autotune.costs import CodecOption, LayerProfile
+from deepspeed_ppq.autotune.memory import coarse, fmt_mib
 from deepspeed_ppq.autotune.plan import Plan
 from deepspeed_ppq.autotune.planner import (
     InfeasibleBudgetError,
-    Knobs,
     PlanningProblem,
-    baseline_plan,
-    optimizer_units,
+    plan_fits,
     plan_pipeline,
     simulate_plan,
+    stock_candidates,
 )
+from deepspeed_ppq.autotune.runner import Profile, TrialResult, TuningRunner
 
-__all__ = ["TuneSpec", "run_tuning", "SavedTensorLedger"]
-
-
-@dataclass
-class TuneSpec:
-    """What to tune (the ``ppq tune`` arguments).
-
-    Attributes:
-        model: ``GPTConfig`` fields of the shared small GPT.
-        global_batch: samples per optimizer step.
-        memory_budget: bytes per stage (``None``: unlimited).
-        micro_batch_sizes, pipeline_degrees: candidates (``None`` degrees: all divisors).
-        formats: low-bit weight formats the planner may use (the policy decides where).
-        activation_codecs, gradient_codecs: candidate ``CodecConfig`` dicts; those under
-            ``min_activation_bits``/``min_gradient_bits`` are dropped.
-        weights: the ``WeightsConfig`` fields of the precision policy.
-        optimizer_8bit: let the planner choose 8-bit Adam states.
-        schedules: pipeline schedules to plan for; the DeepSpeed engine runs ``"1f1b"`` (its
-            ``TrainSchedule``) only, so that is the one value a tuning run accepts.
-        master_free: let the planner keep only the 8-bit codes of low-bit weights (``weights.master
-            = "none"``, no fp32 master) for 8-bit formats.
-        extra_baselines: other DeepSpeed partition methods to run and report (e.g. ``["uniform"]``).
-        ab_repeats: after acceptance, run the baseline and the accepted plan alternately this many
-            more times each (A B A B ...) so that load drifts on a shared machine hit both alike.
-    """
-
-    model: dict = field(
-        default_factory=lambda: {"vocab_size": 512, "seq_len": 64, "d_model": 128, "n_layers": 4}
-    )
-    global_batch: int = 8
-    memory_budget: int | None = None
-    micro_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4])
-    pipeline_degrees: list[int] | None = None
-    formats: list[str] = field(default_factory=lambda: ["int8"])
-    activation_codecs: list[dict] = field(default_factory=lambda: [{"method": "none"}])
-    gradient_codecs: list[dict] = field(default_factory=lambda: [{"method": "none"}])
-    weights: dict = field(default_factory=dict)
-    optimizer_8bit: bool = True
-    schedules: list[str] = field(default_factory=lambda: ["1f1b"])
-    master_free: bool = False
-    allow_recompute: bool = True
-    min_activation_bits: int = 4
-    min_gradient_bits: int = 8
-    trial_steps: int = 6
-    warmup_steps: int = 2
-    val_batches: int = 4
-    val_loss_tolerance: float = 0.01
-    max_iterations: int = 3
-    lr: float = 1e-3
-    seed: int = 0
-    corpus_bytes: int = 400_000
-    profile_reps: int = 5
-    profile_cache: str | None = None
-    out_dir: str = "ppq_tune"
-    extra_baselines: list[str] = field(default_factory=list)
-    ab_repeats: int = 0
-
-    def __post_init__(self) -> None:
-        bad = [s for s in self.schedules if s != "1f1b"]
-        if bad or not self.schedules:
-            raise ValueError(
-                f"schedules={self.schedules!r}: the DeepSpeed pipeline engine runs only '1f1b' (its "
-                "TrainSchedule), so a tuning run can plan for ['1f1b'] only"
-            )
-        if self.master_free and not master_free_supported():
-            raise ValueError(
-                "master_free=True: this deepspeed_ppq's QuantLinear still keeps an fp32 master weight with "
-                "weights.master='none' (master-free training has not landed in deepspeed_ppq.quant); set "
-                "master_free=false"
-            )
-        for name in ("activation_codecs", "gradient_codecs"):
-            if not getattr(self, name):
-                raise ValueError(f"{name}=[]: give at least one codec (e.g. {{'method': 'none'}})")
+__all__ = ["tune", "summarize", "build_problem", "default_micro_batch_sizes", "TuningError"]
 
 
-def master_free_supported() -> bool:
-    """Whether ``QuantLinear`` with ``weights.master="none"`` really drops the fp32 master (probed on a
-    small layer: no floating-point parameter of the weight's size is left)."""
-    from deepspeed_ppq.config import WeightsConfig
-    from deepspeed_ppq.quant import QuantLinear
-
-    try:
-        cfg = WeightsConfig(format="int8", master="none")
-        q = QuantLinear.from_linear(torch.nn.Linear(64, 64, bias=False), "int8", cfg)
-    except (TypeError, ValueError, NotImplementedError):
-        return False
-    return not any(p.is_floating_point() and p.numel() == 64 * 64 for p in q.parameters())
+class TuningError(RuntimeError):
+    """The loop cannot go on (nothing fits the budget, no stock configuration runs, ...)."""
 
 
-# ----------------------------------------------------------------------------------------------
-# Measuring memory
-# ----------------------------------------------------------------------------------------------
-class SavedTensorLedger:
-    """Peak bytes of the activations autograd keeps for backward (parameters excluded).
-
-    Use as a context manager around training; each saved storage counts once while any saved
-    reference to it is alive."""
-
-    def __init__(self, exclude: list[torch.Tensor] = ()):
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self._refs: dict[int, list[int]] = {}  # storage ptr -> [nbytes, live references]
-        self.live = 0
-        self.peak = 0
-        self._ctx = None
-
-    def _pack(self, t: torch.Tensor):
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr in self._exclude or st.nbytes() == 0:
-            return t
-        holder = _Held(t)
-        entry = self._refs.setdefault(ptr, [st.nbytes(), 0])
-        if entry[1] == 0:
-            self.live += entry[0]
-            self.peak = max(self.peak, self.live)
-        entry[1] += 1
-        weakref.finalize(holder, self._release, ptr)
-        return holder
-
-    def _release(self, ptr: int) -> None:
-        entry = self._refs[ptr]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.live -= entry[0]
-            del self._refs[ptr]
-
-    @staticmethod
-    def _unpack(obj):
-        return obj.t if isinstance(obj, _Held) else obj
-
-    def __enter__(self):
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._ctx.__exit__(*exc)
+def default_micro_batch_sizes(global_batch: int, data_parallel: int = 1, limit: int = 16) -> list[int]:
+    """Every micro-batch size up to ``limit`` that divides the global batch per replica."""
+    per = global_batch // max(1, data_parallel)
+    return [b for b in range(1, min(per, limit) + 1) if per % b == 0]
 
 
-class _Held:
-    __slots__ = ("t", "__weakref__")
-
-    def __init__(self, t):
-        self.t = t
-
-
-# ----------------------------------------------------------------------------------------------
-# Profile -> problem
-# ----------------------------------------------------------------------------------------------
-def _codec_bits(c: dict) -> int:
-    m = c.get("method", "none")
-    return 32 if m in ("none", "topk") else 8 if m == "fp8" else int(c.get("bits", 8))
-
-
-def _canonical_codec(c: dict) -> str:
+def _codec_key(c: dict) -> str:
     from deepspeed_ppq.config import CodecConfig
 
     return json.dumps(CodecConfig.model_validate(c).model_dump(mode="json"), sort_keys=True)
 
 
-def _problem(
-    spec: TuneSpec, world: int, layers: list[LayerProfile], codecs: list[CodecOption], link, opt: dict
-) -> PlanningProblem:
-    by_label = {_canonical_codec(c.as_dict): c for c in codecs}
+def _codec_bits(c: dict) -> int:
+    m = c.get("method", "none")
+    return 32 if m in ("none", "topk") else 8 if m == "fp8" else int(c.get("bits", 8))
 
-    def pick(cands: list[dict], min_bits: int) -> list[CodecOption]:
+
+def codec_dict(c) -> dict:
+    """A ``CodecConfig`` as the short dict plans carry: ``method`` plus the non-default fields."""
+    return {"method": c.method, **c.model_dump(mode="json", exclude_defaults=True)}
+
+
+def build_problem(settings, world_size: int, global_batch: int, profile: Profile) -> PlanningProblem:
+    """The planning problem for ``settings`` (an ``AutotuneConfig``) on ``profile``."""
+    by_key = {_codec_key(c.as_dict): c for c in profile.codecs}
+
+    def pick(cands, min_bits: int, field: str) -> list[CodecOption]:
         out = []
         for c in cands:
-            if c.get("method", "none") != "none" and _codec_bits(c) < min_bits:
+            d = codec_dict(c)
+            if d["method"] != "none" and _codec_bits(d) < min_bits:
                 continue
-            out.append(by_label[_canonical_codec(c)])
+            out.append(by_key[_codec_key(d)])
         if not out:
-            raise ValueError(
-                f"no codec candidate in {cands} has at least {min_bits} bits (min_activation_bits/"
-                "min_gradient_bits): add {'method': 'none'} or a codec with more bits"
-            )
+            raise TuningError(
+                f"ppq.autotune.{field}: no candidate has at least {min_bits} bits (min_*_bits); add "
+                "{'method': 'none'} or a codec with more bits")
         return out
 
+    opt = profile.optimizer_costs
+    adam = opt.get("adam", 0.0)
     return PlanningProblem(
-        layers=layers,
-        world_size=world,
-        global_batch=spec.global_batch,
-        memory_budget=spec.memory_budget,
-        micro_batch_sizes=list(spec.micro_batch_sizes),
-        pipeline_degrees=spec.pipeline_degrees,
-        schedules=list(spec.schedules),
-        activation_codecs=pick(spec.activation_codecs, spec.min_activation_bits),
-        gradient_codecs=pick(spec.gradient_codecs, spec.min_gradient_bits),
-        optimizer_8bit=[False, True] if spec.optimizer_8bit else [False],
-        master_free=[False, True] if spec.master_free else [False],
-        allow_recompute=spec.allow_recompute,
-        link=link,
-        optimizer_s_per_param=opt["adam"],
-        optimizer_cost_ratio={k: v / opt["adam"] for k, v in opt.items() if k != "adam" and opt["adam"] > 0},
+        layers=[LayerProfile.from_dict(lp.to_dict()) for lp in profile.layers],
+        world_size=world_size,
+        global_batch=global_batch,
+        memory_budget=settings.memory_budget,
+        micro_batch_sizes=list(settings.micro_batch_sizes or default_micro_batch_sizes(global_batch)),
+        pipeline_degrees=settings.pipeline_degrees,
+        schedules=list(settings.schedules),
+        activation_codecs=pick(settings.activation_codecs, settings.min_activation_bits, "activation_codecs"),
+        gradient_codecs=pick(settings.gradient_codecs, settings.min_gradient_bits, "gradient_codecs"),
+        optimizer_8bit=[False, True] if settings.optimizer_8bit else [False],
+        master_free=[False, True] if settings.master_free else [False],
+        allow_recompute=settings.allow_recompute,
+        link=profile.link,
+        optimizer_s_per_param=adam,
+        optimizer_cost_ratio={k: v / adam for k, v in opt.items() if k != "adam" and adam > 0},
+        step_transient_bytes_per_param=profile.step_transient_bytes_per_param,
     )
 
 
-# ----------------------------------------------------------------------------------------------
-# Carrying a plan out on the real engine
-# ----------------------------------------------------------------------------------------------
-def _linear_formats(spec: TuneSpec, plan: Plan, kinds: list[str], layers) -> dict[str, str]:
-    """Linear name (``"3.attn.qkv"``) -> format: the policy's decisions under each layer's planned format."""
-    from deepspeed_ppq.autotune.profiler import _decisions
-    from deepspeed_ppq.config import WeightsConfig
-
-    wcfg = WeightsConfig.model_validate(spec.weights)
-    out = {}
-    for fmt in {f for f in plan.layer_formats if f != "none"}:
-        dec = _decisions(layers, kinds, wcfg, fmt)
-        for i, f in enumerate(plan.layer_formats):
-            if f == fmt:
-                out.update({n: v for n, v in dec.items() if n.startswith(f"{i}.") and v != "none"})
-    return out
-
-
-def _batches(dataset, b: int, start: int, count: int):
-    out = []
-    n = len(dataset)
-    for k in range(count):
-        idx = [(start + k * b + j) % n for j in range(b)]
-        items = [dataset[i] for i in idx]
-        out.append((torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])))
-    return out
-
-
-def _run_plan(spec: TuneSpec, plan: Plan, train_ds, val_ds) -> dict:
-    """Train ``trial_steps`` steps of ``plan`` on the real engine; measure time, memory and val loss."""
-    import torch.distributed as dist
-
-    import deepspeed_ppq
-    from deepspeed_ppq.integrations.pipe_module import PPQPipelineModule
-    from deepspeed_ppq.models.gpt import GPTConfig, gpt_layers, gpt_loss, layer_kinds
-    from deepspeed_ppq.quant import QuantLinear, build_optimizer, measure_storage
-
-    cfg = GPTConfig(**spec.model)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    stage = rank // plan.data_parallel
-    layers = gpt_layers(cfg, seed=spec.seed)
-    lin_fmt = _linear_formats(spec, plan, layer_kinds(cfg), layers)
-    plan.linear_formats = dict(lin_fmt)
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
-
-    topo = PipeDataParallelTopology(num_pp=plan.pipeline_degree, num_dp=plan.data_parallel)
-    kinds = layer_kinds(cfg)
-    wcfg = deepspeed_ppq.config.WeightsConfig.model_validate(spec.weights)
-    plan.block_size = wcfg.block_size
-    ppq_section = plan.ppq_section()
-    # the storage settings the profile measured (scale dtype, double quant, ...) under the plan's rules
-    ppq_section["weights"] = {
-        **wcfg.model_dump(mode="json", exclude={"format", "rules"}),
-        **ppq_section["weights"],
-    }
-    # the plugin's module converts this stage's Linear layers by the plan's exact rules (global names)
-    module = PPQPipelineModule(
-        layers,
-        topology=topo,
-        boundaries=plan.boundaries,
-        loss_fn=gpt_loss,
-        weights=ppq_section["weights"],
-        block_layers=[i for i, k in enumerate(kinds) if k == "block"],
-        activation_checkpoint_interval=1 if plan.stages[stage].recompute else 0,
-        # what the cost model recomputes (``LayerProfile.recomputable``): every layer but the embedding
-        checkpointable_layers=sorted(
-            {type(layer).__name__ for layer, kind in zip(layers, kinds) if kind != "embed"}
-        ),
-    )
-    planned = {n for n in lin_fmt if n.split(".", 1)[0].isdigit() and plan.boundaries[stage]
-               <= int(n.split(".", 1)[0]) < plan.boundaries[stage + 1]}
-    converted = {n for n, m in module.named_modules() if isinstance(m, QuantLinear)}
-    if converted != planned:
-        raise RuntimeError(
-            f"stage {stage}: the module converted {sorted(converted)}, the plan has {sorted(planned)}"
-        )
-    params = [p for p in module.parameters() if p.requires_grad]
-    opt = build_optimizer(params, "adam8bit" if plan.optimizer_8bit else "adam", lr=spec.lr)
-    ds_cfg = {
-        "train_batch_size": plan.global_batch,
-        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
-        "gradient_accumulation_steps": plan.num_microbatches,
-        "steps_per_print": 10**9,
-        "ppq": {k: v for k, v in ppq_section.items() if k != "weights"},
-    }
-    # initialize wires the re-quantization of train-mode low-bit layers after every optimizer step
-    engine, _, _, _ = deepspeed_ppq.initialize(model=module, optimizer=opt, config=ds_cfg)
-    if plan.master_free and any(getattr(m, "master_free", False) for m in module.modules()):
-        # master-free layers are updated from their gradient buffers after each main optimizer step
-        from deepspeed_ppq.quant.master_free import attach_master_free
-
-        if getattr(engine, "ppq_master_free_handle", None) is None:
-            engine.ppq_master_free_handle = attach_master_free(engine, module)
-    instr_time: dict[str, float] = {}
-
-    def timed(name, fn):
-        def run(self, *a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(self, *a, **k)
-            finally:
-                instr_time[name] = instr_time.get(name, 0.0) + time.perf_counter() - t0
-
-        return run
-
-    # per-instruction times (DeepSpeed's own wall_clock_breakdown crashes the PipelineEngine in 0.19.8)
-    engine._INSTRUCTION_MAP = {k: timed(k.__name__, v) for k, v in type(engine)._INSTRUCTION_MAP.items()}
-    static = {}
-
-    def measure_static(_opt, _a, _k):
-        static.update(measure_storage(module, opt).groups())
-
-    handle = opt.register_step_pre_hook(measure_static)
-    b, m = plan.micro_batch_size, plan.num_microbatches
-    replica = rank % plan.data_parallel
-    times = []
-    with SavedTensorLedger(exclude=list(module.parameters())) as saved:
-        for step in range(spec.trial_steps):
-            data = _batches(train_ds, b, (step * plan.data_parallel + replica) * b * m, m)
-            dist.barrier()
-            if step == spec.warmup_steps:
-                instr_time.clear()
-            t0 = time.perf_counter()
-            engine.train_batch(iter(data))
-            times.append(time.perf_counter() - t0)
-    timed_steps = max(1, spec.trial_steps - spec.warmup_steps)
-    handle.remove()
-    buf_bytes, seen = 0, set()
-    for key in ("inputs", "outputs"):
-        for t in engine.pipe_buffers.get(key, []):
-            for x in t if isinstance(t, tuple) else (t,):
-                if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in seen:
-                    seen.add(x.untyped_storage().data_ptr())
-                    buf_bytes += x.untyped_storage().nbytes()
-    val = _batches(val_ds, b, 0, m * spec.val_batches)
-    losses = []
-    for k in range(spec.val_batches):
-        loss = engine.eval_batch(iter(val[k * m : (k + 1) * m]))
-        losses.append(float(loss) if loss is not None else 0.0)
-    val_loss = torch.tensor(statistics.mean(losses))
-    dist.all_reduce(val_loss, op=dist.ReduceOp.MAX)  # only the last stage holds a loss; others hold 0
-    measured = {
-        "weights": static.get("weights", 0) + static.get("buffers", 0),
-        "master": static.get("master_weights", 0),
-        "gradients": static.get("gradients", 0),
-        "optimizer": static.get("optimizer", 0),
-        "activations": saved.peak,
-        "buffers": buf_bytes,
-    }
-    if torch.cuda.is_available():
-        measured["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
-    mine = {
-        "rank": rank,
-        "stage": stage,
-        "step_times": times,
-        "step_time": statistics.median(times[spec.warmup_steps :] or times),
-        "mean_step_time": statistics.mean(times[spec.warmup_steps :] or times),
-        "memory": measured,
-        "val_loss": float(val_loss),
-        "instructions": {k: v / timed_steps for k, v in instr_time.items()},
-        "wire": {f"{k[0]}.{k[1]}": v for k, v in engine.ppq_stats().items()}
-        if hasattr(engine, "ppq_stats")
-        else {},
-    }
-    gathered = [None] * world
-    dist.all_gather_object(gathered, mine)
-    return {"ranks": gathered}
-
-
-# ----------------------------------------------------------------------------------------------
-# The loop
-# ----------------------------------------------------------------------------------------------
-def _bcast(obj, src: int = 0):
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def _summary(plan: Plan, run: dict) -> dict:
-    ranks = run["ranks"]
-    step = max(r["step_time"] for r in ranks)
-    mean_step = max(r["mean_step_time"] for r in ranks)
+def summarize(plan: Plan, trial: TrialResult) -> dict:
+    """A trial next to its plan's prediction, per stage and memory category (reports, calibration)."""
     stages = []
-    for s, sp in enumerate(plan.stages):
-        rs = [r for r in ranks if r["stage"] == s]
-        mem = {k: max(r["memory"].get(k, 0) for r in rs) for k in rs[0]["memory"]}
-        stages.append(
-            {
-                "stage": s,
-                "layers": list(sp.layers),
-                "formats": sp.formats,
-                "recompute": sp.recompute,
-                "predicted_memory": sp.memory,
-                "measured_memory": mem,
-                "predicted_time_per_microbatch": sp.time_per_microbatch,
-                "measured_instructions_per_step": rs[0].get("instructions", {}),
-            }
-        )
+    for sp, st in zip(plan.stages, trial.stages):
+        stages.append({
+            "stage": st.stage,
+            "layers": list(sp.layers),
+            "formats": sp.formats,
+            "recompute": sp.recompute,
+            "predicted_memory": coarse(sp.memory),
+            "predicted_memory_total": sp.peak_memory,
+            "measured_memory": dict(st.memory),
+            "device_max_allocated": st.device_max_allocated,
+            "predicted_time_per_microbatch": sp.time_per_microbatch,
+            "measured_instructions_per_step": dict(st.instructions),
+        })
     return {
         "predicted_step_time": plan.predicted_step_time,
-        "measured_step_time": step,
-        "measured_mean_step_time": mean_step,
-        "samples_per_second": plan.global_batch / step,
-        "predicted_samples_per_second": plan.samples_per_second,
-        "val_loss": ranks[0]["val_loss"],
+        "measured_step_time": trial.step_time,
+        "step_times": list(trial.step_times),
+        "samples_per_second": plan.global_batch / trial.step_time,
+        "val_loss": trial.val_loss,
         "stages": stages,
-        "wire": [r["wire"] for r in ranks],
+        "peak_memory": trial.peak_memory,
+        "wire": trial.wire,
     }
 
 
-def _stage_compute(problem: PlanningProblem, sp, b: int) -> float:
-    t = 0.0
-    for layer in problem.layers[sp.layers[0] : sp.layers[1]]:
-        f, bi, bw = layer.time("none", b)
-        t += f * (2 if sp.recompute and layer.recomputable else 1) + bi + bw
-    return t
+def _budget_limit(settings) -> float | None:
+    b = settings.memory_budget
+    return None if b is None else b * (1 + settings.memory_tolerance)
 
 
-def _calibrate(problem: PlanningProblem, runs: list[tuple[Plan, dict]]) -> dict:
-    """Refit the cost model to what the engine measured (in place on ``problem``).
-
-    Each stage of each run gives a point (profiled forward+backward time per micro-batch, measured
-    ``ForwardPass + BackwardPass`` per micro-batch); a least-squares line ``measured = a * profiled + c``
-    over the points gives the time scale ``a`` (the isolated profile and the engine see different
-    caches, threads and load) and a fixed engine cost ``c >= 0`` per stage and micro-batch (buffer
-    handling, instruction dispatch). Runs at two micro-batch sizes are what separate the two. The
-    optimizer cost per parameter is refit from the measured optimizer steps. What is left of the first
-    run's step time, if positive, is spread per micro-batch slot (``m + p - 1``). The measured link is
-    kept (on a busy machine its latency is mostly the peer's wake-up)."""
-
-    xs, ys, opt = [], [], []
-    for plan, run in runs:
-        m, b = plan.num_microbatches, plan.micro_batch_size
-        for sp, st in zip(plan.stages, run["stages"]):
-            ins = st["measured_instructions_per_step"]
-            meas = (ins.get("ForwardPass", 0.0) + ins.get("BackwardPass", 0.0)) / m
-            pred = _stage_compute(problem, sp, b)
-            if meas > 0 and pred > 0:
-                xs.append(pred)
-                ys.append(meas)
-            k = Knobs(plan.pipeline_degree, b, m, plan.schedule, NO_CODEC, NO_CODEC, plan.optimizer_8bit,
-                      plan.master_free)
-            lo, hi = sp.layers
-            units = sum(optimizer_units(problem, k, layer, fmt)
-                        for layer, fmt in zip(problem.layers[lo:hi], sp.formats))
-            if ins.get("OptimizerStep") and units > 0:
-                opt.append(ins["OptimizerStep"] / units)
-    scale, fixed = 1.0, 0.0
-    if xs:
-        mx, my = statistics.mean(xs), statistics.mean(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        if var > 0:
-            scale = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
-            fixed = my - scale * mx
-        if var == 0 or scale <= 0 or fixed < 0:  # one size only, or a line through noise: scale alone
-            scale, fixed = sum(ys) / sum(xs), 0.0
-    for layer in problem.layers:
-        layer.times = {f: {mb: [x * scale for x in v] for mb, v in t.items()} for f, t in layer.times.items()}
-    if opt:
-        problem.optimizer_s_per_param = statistics.median(opt)
-    problem.microbatch_overhead_s = fixed
-    residual = _fit_link_and_slots(problem, runs)
-    return {
-        "link_latency_s": problem.link.latency_s,
-        "time_scale": scale,
-        "fixed_per_microbatch_s": fixed,
-        "residual_per_slot_s": residual,
-        "optimizer_s_per_param": problem.optimizer_s_per_param,
-        "microbatch_overhead_s": problem.microbatch_overhead_s,
-        "points": [[x, y] for x, y in zip(xs, ys)],
-    }
+def _over_budget(settings, run: dict) -> list[str]:
+    limit = _budget_limit(settings)
+    if limit is None:
+        return []
+    return [f"stage {st['stage']} measured {fmt_mib(st['measured_memory']['total'])} > "
+            f"{fmt_mib(limit)} (budget {fmt_mib(settings.memory_budget)} + "
+            f"{settings.memory_tolerance:.0%})"
+            for st in run["stages"] if st["measured_memory"]["total"] > limit]
 
 
-def _fit_link_and_slots(problem: PlanningProblem, runs: list[tuple[Plan, dict]]) -> float:
-    """Refit the link latency and a cost per micro-batch slot to the measured step times.
-
-    After the compute refit, each run's predicted step time is linear in the link latency ``lat``
-    (``P0 + n * lat``, ``n`` the messages on the critical path) and the model leaves out a cost ``c``
-    per micro-batch slot (``m + p - 1``: synchronisation the profile cannot see). With two runs at
-    different micro-batch counts both are fitted (non-negative least squares over the candidates: both,
-    latency only, slot cost only); with one run the measured latency is kept and ``c`` takes the
-    positive remainder. Returns ``c`` (also added to ``problem.microbatch_overhead_s``)."""
-    import dataclasses
-
-    from deepspeed_ppq.autotune.planner import StageChoice, evaluate_stages
-
-    def predicted(plan: Plan, latency: float) -> float:
-        saved = problem.link
-        problem.link = dataclasses.replace(saved, latency_s=latency)
-        try:
-            k = Knobs(
-                plan.pipeline_degree,
-                plan.micro_batch_size,
-                plan.num_microbatches,
-                plan.schedule,
-                NO_CODEC,
-                NO_CODEC,
-                False,
-            )
-            stages = [StageChoice(*sp.layers, "none", sp.recompute) for sp in plan.stages]
-            return evaluate_stages(problem, k, stages)["step_time"]
-        finally:
-            problem.link = saved
-
-    lat0 = problem.link.latency_s
-    rows = []  # (n, slots, measured - P0)
-    for plan, run in runs:
-        p0 = predicted(plan, 0.0)
-        n = (predicted(plan, 1e-3) - p0) / 1e-3
-        rows.append((n, plan.num_microbatches + plan.pipeline_degree - 1, run["measured_step_time"] - p0))
-    best = (float("inf"), lat0, 0.0)
-    cands = []
-    if len(rows) >= 2:
-        (n1, s1, r1), (n2, s2, r2) = rows[:2]
-        det = n1 * s2 - n2 * s1
-        if abs(det) > 1e-12:
-            cands.append(((r1 * s2 - r2 * s1) / det, (n1 * r2 - n2 * r1) / det))
-        nn = sum(n * n for n, _, _ in rows)
-        ss = sum(sl * sl for _, sl, _ in rows)
-        if nn > 0:
-            cands.append((sum(n * r for n, _, r in rows) / nn, 0.0))
-        if ss > 0:
-            cands.append((0.0, sum(sl * r for _, sl, r in rows) / ss))
-    else:
-        n, sl, r = rows[0]
-        cands.append((lat0, max(0.0, (r - n * lat0) / sl)))
-    for lat, c in cands:
-        if lat < 0 or c < 0:
-            continue
-        err = sum((n * lat + sl * c - r) ** 2 for n, sl, r in rows)
-        if err < best[0]:
-            best = (err, lat, c)
-    if not math.isfinite(best[0]):  # nothing non-negative fits: keep the measured link, no slot cost
-        best = (0.0, lat0, 0.0)
-    _, lat, c = best
-    problem.link = dataclasses.replace(problem.link, latency_s=lat)
-    problem.microbatch_overhead_s += c
-    return c
-
-
-def _calibration_plan(problem: PlanningProblem, base: Plan) -> Plan | None:
-    """The baseline's partition at a second micro-batch size, to separate the per-micro-batch fixed
-    cost from the time scale (and the link latency from the per-slot cost: the micro-batch count
-    changes too). The probe runs whether or not it fits the budget (it calibrates, it is not a
-    candidate): the size farthest from the baseline's (by ratio; larger on a tie, where tuned plans
-    tend to go) among those that split the global batch."""
-    from deepspeed_ppq.autotune.planner import StageChoice, _to_plan, evaluate_stages
-
-    dp, gb, b0 = base.data_parallel, base.global_batch, base.micro_batch_size
-    sizes = [b for b in problem.micro_batch_sizes if b != b0 and gb % (b * dp) == 0]
-    if not sizes:
-        return None
-    b = max(sizes, key=lambda x: (abs(math.log(x / b0)), x))
-    k = Knobs(base.pipeline_degree, b, gb // (b * dp), base.schedule, NO_CODEC, NO_CODEC, False)
-    stages = [StageChoice(*sp.layers, "none", sp.recompute) for sp in base.stages]
-    ev = evaluate_stages(problem, k, stages)
-    note = "calibration probe: the baseline at another micro-batch size" + (
-        "" if ev["fits"] else " (over the budget: run for calibration only)"
-    )
-    return _to_plan(problem, k, stages, ev, [note])
-
-
-def _predict(problem: PlanningProblem, plan: Plan) -> dict:
-    """The (calibrated) model's step time and bubble for an existing plan."""
-    from deepspeed_ppq.autotune.planner import StageChoice, evaluate_stages
-
-    def codec(cands, cfg):
-        return next((c for c in cands if c.as_dict == cfg), None) or CodecOption.make(cfg)
-
-    k = Knobs(
-        plan.pipeline_degree,
-        plan.micro_batch_size,
-        plan.num_microbatches,
-        plan.schedule,
-        codec(problem.activation_codecs, plan.activation_codec),
-        codec(problem.gradient_codecs, plan.gradient_codec),
-        plan.optimizer_8bit,
-        plan.master_free,
-    )
-    levels = []
-    for sp in plan.stages:
-        low = sorted({f for f in sp.formats if f != "none"})
-        levels.append(low[0] if len(low) == 1 else "none")
-    stages = [StageChoice(*sp.layers, lv, sp.recompute) for sp, lv in zip(plan.stages, levels)]
-    ev = evaluate_stages(problem, k, stages)
-    return {"step_time": ev["step_time"], "bubble_fraction": ev["bubble_fraction"]}
-
-
-def _back_off(layers: list[LayerProfile], plan: Plan, problem: PlanningProblem) -> str | None:
-    """Make the next plan more conservative; returns what was changed, or None if nothing is left.
+def _back_off(plan: Plan, problem: PlanningProblem) -> str | None:
+    """Make the next plan more conservative; returns what changed, or None if nothing is left.
 
     Order: master-free weights get their fp32 masters back; then the most sensitive layer (largest
     weight error) loses its low-bit format; then the most aggressive codec goes."""
     if plan.master_free and True in problem.master_free:
         problem.master_free = [False]
         return "master-free weights removed: low-bit layers keep an fp32 master again"
-    quantized = [
-        (layers[i].quant_error.get(f, 0.0), i, f) for i, f in enumerate(plan.layer_formats) if f != "none"
-    ]
+    layers = problem.layers
+    quantized = [(layers[i].quant_error.get(f, 0.0), i, f) for i, f in enumerate(plan.layer_formats)
+                 if f != "none"]
     if quantized:
         err, i, f = max(quantized)
         layers[i].allowed_formats = [x for x in layers[i].allowed_formats if x != f]
@@ -652,228 +176,192 @@ def _back_off(layers: list[LayerProfile], plan: Plan, problem: PlanningProblem) 
     return None
 
 
-def run_tuning(spec: TuneSpec) -> dict | None:
-    """Run the loop on this rank (``torch.distributed`` must be initialised on every rank).
+class _Gate:
+    """Validation loss of a plan against the baseline's seeds (mean + the larger of the relative
+    tolerance and the seeds' spread)."""
+
+    def __init__(self, losses: list[float], tolerance: float):
+        self.losses = list(losses)
+        self.mean = statistics.mean(losses)
+        self.spread = max(losses) - min(losses) if len(losses) > 1 else 0.0
+        self.tolerance = tolerance
+        self.limit = self.mean * (1 + tolerance)
+
+    def check(self, loss: float) -> tuple[bool, str]:
+        ok = loss <= self.limit
+        return ok, (f"val loss {loss:.4f} vs baseline {self.mean:.4f} over {len(self.losses)} seed(s) "
+                    f"(spread {self.spread:.4f}), limit {self.limit:.4f}")
+
+    def to_dict(self) -> dict:
+        return {"losses": self.losses, "mean": self.mean, "spread": self.spread,
+                "tolerance": self.tolerance, "limit": self.limit}
+
+
+def _make_gate(losses: list[float], tolerance: float):
+    try:
+        from deepspeed_ppq.autotune.gate import QualityGate
+    except ImportError:
+        return _Gate(losses, tolerance)
+    return QualityGate(losses, tolerance)
+
+
+def _gate_check(gate, loss: float) -> tuple[bool, str]:
+    res = gate.check(loss)
+    if isinstance(res, tuple):
+        return res
+    return bool(res.accepted), str(getattr(res, "reason", res))
+
+
+def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
+    """Run the loop (see the module docstring) on every rank.
+
+    Args:
+        runner: the engine (``TuningRunner``).
+        settings: an ``AutotuneConfig``.
+        global_batch: samples per optimizer step (``settings.global_batch`` or the engine config's).
 
     Returns:
-        On rank 0: the result (baseline, iterations, accepted plan); elsewhere None. Rank 0 also
-        writes ``plan.json``, ``report.md`` and ``tune.json`` to ``spec.out_dir``.
+        The result: ``fingerprint``, ``profile``, ``stock`` (the search: candidates predicted, the
+        ones measured), ``baseline`` (plan, run, seeds), ``calibration``, ``iterations``,
+        ``accepted`` and ``plan`` (the accepted plan's dict, with its measurements), ``log``.
+
+    Raises:
+        TuningError / InfeasibleBudgetError: nothing fits; the message says the smallest budget that
+            would and what fills it.
     """
-    import torch.distributed as dist
-
-    from deepspeed_ppq.autotune import profiler
-    from deepspeed_ppq.autotune.report import write_outputs
-    from deepspeed_ppq.data import build_token_datasets
-    from deepspeed_ppq.models.gpt import GPTConfig, gpt_layers, gpt_loss, layer_kinds
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = GPTConfig(**spec.model)
-    log = []
+    log: list[str] = []
 
     def note(msg: str) -> None:
         log.append(msg)
-        if rank == 0:
-            print(f"[ppq tune] {msg}", flush=True)
+        runner.log(msg)
 
-    if rank == 0:  # build the tokenizer cache once, then every rank reads it
-        build_token_datasets(cfg.seq_len, cfg.vocab_size, spec.corpus_bytes)
-    dist.barrier()
-    train_ds, val_ds, _ = build_token_datasets(cfg.seq_len, cfg.vocab_size, spec.corpus_bytes)
+    t_start = time.perf_counter()
+    fingerprint = runner.fingerprint()
+    profile = runner.profile(settings)
+    note(f"profile: {len(profile.layers)} layers, link {profile.link.latency_s * 1e6:.0f} us + "
+         f"{profile.link.bandwidth_Bps / 1e9:.2f} GB/s, optimizer ns/param "
+         + ", ".join(f"{k} {v * 1e9:.2f}" for k, v in profile.optimizer_costs.items()))
+    problem = build_problem(settings, runner.world_size, global_batch, profile)
+    if len(problem.layers) < min(problem.degrees(), default=1):
+        raise TuningError(f"the model has {len(problem.layers)} layers, fewer than the smallest pipeline "
+                          f"degree {min(problem.degrees())}")
 
-    # 1. profile (rank 0; the others wait), cached
-    t0 = time.perf_counter()
-    if rank == 0:
-        layers = gpt_layers(cfg, seed=spec.seed)
-        kinds = layer_kinds(cfg)
-        from deepspeed_ppq.config import WeightsConfig
-
-        wcfg = WeightsConfig.model_validate(spec.weights)
-        key = profiler.profile_key(
-            layers,
-            mbs=spec.micro_batch_sizes,
-            formats=spec.formats,
-            weights=spec.weights,
-            codecs=[spec.activation_codecs, spec.gradient_codecs],
-            reps=spec.profile_reps,
-        )
-        cached = profiler.load_cached(spec.profile_cache, key) if spec.profile_cache else None
-        if cached:
-            lprof, codecs = profiler.layers_from_cache(cached)
-            opt = cached["optimizer_costs"]
-            note(f"profile: loaded from {spec.profile_cache}")
-        else:
-            sample = train_ds[0][0]
-
-            def make_batch(b):
-                items = [train_ds[i] for i in range(b)]
-                return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
-
-            lprof = profiler.profile_layers(
-                layers,
-                kinds,
-                make_batch,
-                gpt_loss,
-                wcfg,
-                spec.formats,
-                spec.micro_batch_sizes,
-                reps=spec.profile_reps,
-            )
-            shape = (max(spec.micro_batch_sizes), sample.shape[0], cfg.d_model)
-            uniq = {json.dumps(c, sort_keys=True): c for c in spec.activation_codecs + spec.gradient_codecs}
-            codecs = profiler.profile_codecs(list(uniq.values()), shape)
-            opt = profiler.optimizer_costs()
-            if spec.profile_cache:
-                profiler.save_cache(spec.profile_cache, key, lprof, codecs, {"optimizer_costs": opt})
-        payload = ([lp.to_dict() for lp in lprof], [asdict(c) for c in codecs], opt)
-    else:
-        payload = None
-    lp_d, codec_d, opt = _bcast(payload)
-    lprof = [LayerProfile.from_dict(d) for d in lp_d]
-    codecs = [CodecOption(**{**c, "config": tuple(tuple(x) for x in c["config"])}) for c in codec_d]
-    link = profiler.measure_link()
-    link = _bcast(link)  # rank 0's measurement for everyone
-    note(
-        f"profile: {len(lprof)} layers, link {link.latency_s * 1e6:.0f} us + "
-        f"{link.bandwidth_Bps / 1e9:.2f} GB/s, optimizer ns/param "
-        + ", ".join(f"{k} {v * 1e9:.1f}" for k, v in opt.items())
-        + f", {time.perf_counter() - t0:.1f} s"
-    )
-
-    problem = _problem(spec, world, lprof, codecs, link, opt)
-    degree = max(problem.degrees())
-    base = None
-    if rank == 0:
+    # 2. the best stock configuration, measured
+    partitions = {p: runner.stock_partitions(p) for p in problem.degrees()}
+    cands = stock_candidates(problem, partitions, optimizer_8bit=settings.optimizer_8bit)
+    fitting = [c for c in cands if plan_fits(problem, c)]
+    if not fitting:
         try:
-            base = baseline_plan(problem, "parameters", pipeline_degree=degree)
-        except InfeasibleBudgetError as baseline_error:  # every rank must learn of it
-            base = baseline_error
-            try:
-                plan_pipeline(problem)
-            except InfeasibleBudgetError as smallest:  # names the smallest budget that fits
-                base = smallest
-    base = _bcast(base)
-    if isinstance(base, Exception):
-        raise base
-    note(
-        f"baseline: boundaries {base.boundaries}, micro-batch {base.micro_batch_size} x "
-        f"{base.num_microbatches}, "
-        f"recompute {[s.recompute for s in base.stages]}, predicted {base.predicted_step_time * 1e3:.1f} ms"
-    )
-    base_run = _summary(base, _run_plan(spec, base, train_ds, val_ds))
-    note(
-        f"baseline: measured {base_run['measured_step_time'] * 1e3:.1f} ms, "
-        f"val loss {base_run['val_loss']:.4f}"
-    )
-
-    extra = {}
-    for method in spec.extra_baselines:
-        other = baseline_plan(problem, method, pipeline_degree=degree) if rank == 0 else None
-        other = _bcast(other)
-        extra[method] = {
-            "plan": other.to_dict(),
-            "run": _summary(other, _run_plan(spec, other, train_ds, val_ds)),
-        }
-        note(
-            f"baseline {method}: boundaries {other.boundaries}, measured "
-            f"{extra[method]['run']['measured_step_time'] * 1e3:.1f} ms"
-        )
-    runs = [(base, base_run)]
-    calib = _calibration_plan(problem, base) if rank == 0 else None
-    calib = _bcast(calib)
-    if calib is not None:
-        runs.append((calib, _summary(calib, _run_plan(spec, calib, train_ds, val_ds))))
-        note(
-            f"calibration run: micro-batch {calib.micro_batch_size} x {calib.num_microbatches}, "
-            f"measured {runs[-1][1]['measured_step_time'] * 1e3:.1f} ms"
-        )
-    calibration = _calibrate(problem, runs)
-    base_run["simulated_after_calibration"] = simulate_plan(problem, base)
-    for plan, run in runs:  # in-sample: these runs are what the model was fitted to
-        cal = _predict(problem, plan)
-        run["calibrated_step_time"] = cal["step_time"]
-        run["calibrated_bubble_fraction"] = cal["bubble_fraction"]
-    for rec in extra.values():
-        cal = _predict(problem, Plan.from_dict(rec["plan"]))
-        rec["run"]["calibrated_step_time"] = cal["step_time"]
-        rec["run"]["calibrated_bubble_fraction"] = cal["bubble_fraction"]
-    if calib is not None:
-        calibration["probe"] = {
-            "micro_batch_size": calib.micro_batch_size,
-            "num_microbatches": calib.num_microbatches,
-            "measured_step_time": runs[-1][1]["measured_step_time"],
-            "calibrated_step_time": runs[-1][1]["calibrated_step_time"],
-        }
-    note(
-        f"calibration: layer times x{calibration['time_scale']:.3f}, "
-        f"engine {calibration['fixed_per_microbatch_s'] * 1e3:.2f} ms per stage and micro-batch "
-        f"(+{calibration['residual_per_slot_s'] * 1e3:.2f} ms per slot), "
-        f"link latency {calibration['link_latency_s'] * 1e6:.0f} us, "
-        f"optimizer {calibration['optimizer_s_per_param'] * 1e9:.2f} ns/param (fp32 Adam; other kinds keep "
-        "their profiled ratios)"
-    )
-
-    iterations, accepted = [], None
-    for it in range(spec.max_iterations):
-        try:
-            plan = plan_pipeline(problem) if rank == 0 else None
+            plan_pipeline(problem)
         except InfeasibleBudgetError as e:
-            plan = e
-        plan = _bcast(plan)
-        if isinstance(plan, Exception):
-            raise plan
-        run = _summary(plan, _run_plan(spec, plan, train_ds, val_ds))
+            raise InfeasibleBudgetError(f"no configuration fits: {e}") from None
+        raise TuningError(
+            f"no stock configuration fits memory_budget={settings.memory_budget} B "
+            f"({fmt_mib(settings.memory_budget)}) per stage, though a low-bit plan would: the baseline "
+            "cannot be measured; raise the budget to the smallest stock need "
+            f"({fmt_mib(min(max(sp.peak_memory for sp in c.stages) for c in cands))})")
+    measured, runs = [], []
+    for plan in fitting[: 2 * settings.stock_trials]:
+        plan.model_fingerprint = fingerprint
+        run = summarize(plan, runner.run_trial(plan, settings, seed=0))
+        over = _over_budget(settings, run)
+        measured.append({"plan": plan.to_dict(), "run": run, "fits": not over, "over": over})
+        runs.append((plan, run))
+        note(f"{plan.notes[0]}: predicted {plan.predicted_step_time * 1e3:.1f} ms, measured "
+             f"{run['measured_step_time'] * 1e3:.1f} ms, peak {fmt_mib(run['peak_memory'])}"
+             + (f" -- over budget: {'; '.join(over)}" if over else ""))
+        if sum(m["fits"] for m in measured) >= settings.stock_trials:
+            break
+    fits = [m for m in measured if m["fits"]]
+    if not fits:
+        raise TuningError(
+            "no measured stock configuration fits the budget; measured: "
+            + "; ".join(f"{m['plan']['notes'][0]}: {'; '.join(m['over'])}" for m in measured))
+    best = min(fits, key=lambda m: m["run"]["measured_step_time"] / m["plan"]["micro_batch_size"]
+               / m["plan"]["num_microbatches"])
+    base = Plan.from_dict(best["plan"])
+    base_run = best["run"]
+    note(f"baseline (best measured stock): {base.notes[0]}, {base_run['measured_step_time'] * 1e3:.1f} ms")
+
+    # 3. calibrate on every measured stock trial
+    time_cal = calibrate.calibrate_time(problem, runs)
+    mem_cal = calibrate.calibrate_memory(problem, runs)
+    for plan, run in runs:
+        cal = calibrate.predict(problem, plan)
+        run["calibrated_step_time"] = cal["step_time"]
+    note(f"calibration: layer times x{time_cal['time_scale']:.3f}, engine "
+         f"{time_cal['fixed_per_microbatch_s'] * 1e3:.2f} ms per stage and micro-batch, step transient "
+         f"{mem_cal['step_transient_bytes_per_param']:.2f} B/param")
+
+    # quality noise: the baseline over seeds
+    seed_runs = [base_run]
+    for seed in range(1, settings.seeds):
+        seed_runs.append(summarize(base, runner.run_trial(base, settings, seed=seed)))
+    gate = _make_gate([r["val_loss"] for r in seed_runs], settings.val_loss_tolerance)
+    note("baseline val loss over seeds: " + ", ".join(f"{r['val_loss']:.4f}" for r in seed_runs))
+
+    # 4-5. plan, measure, decide
+    iterations, accepted = [], None
+    for it in range(settings.max_iterations):
+        plan = plan_pipeline(problem)
+        plan.model_fingerprint = fingerprint
+        run = summarize(plan, runner.run_trial(plan, settings, seed=0))
         run["simulated"] = simulate_plan(problem, plan)
-        limit = base_run["val_loss"] * (1 + spec.val_loss_tolerance)
-        ok = run["val_loss"] <= limit
-        rec = {"iteration": it, "plan": plan.to_dict(), "run": run, "accepted": ok}
-        note(
-            f"iteration {it}: boundaries {plan.boundaries}, micro-batch {plan.micro_batch_size} x "
-            f"{plan.num_microbatches}, formats {plan.layer_formats}, 8-bit Adam {plan.optimizer_8bit}, "
-            f"master-free {plan.master_free}, "
-            f"predicted {plan.predicted_step_time * 1e3:.1f} ms, "
-            f"measured {run['measured_step_time'] * 1e3:.1f} ms, "
-            f"val loss {run['val_loss']:.4f} (limit {limit:.4f}) -> {'accepted' if ok else 'rejected'}"
-        )
-        if ok:
-            accepted = (plan, run)
-            iterations.append(rec)
-            break
-        change = _back_off(problem.layers, plan, problem)
-        rec["back_off"] = change
+        over = _over_budget(settings, run)
+        ok_q, why = _gate_check(gate, run["val_loss"])
+        rec = {"iteration": it, "plan": plan.to_dict(), "run": run, "over_budget": over,
+               "quality": why, "accepted": ok_q and not over}
+        note(f"iteration {it}: boundaries {plan.boundaries}, micro-batch {plan.micro_batch_size} x "
+             f"{plan.num_microbatches}, formats {sorted(set(plan.layer_formats))}, 8-bit Adam "
+             f"{plan.optimizer_8bit}, master-free {plan.master_free}, codecs "
+             f"{plan.activation_codec.get('method')}/{plan.gradient_codec.get('method')}: predicted "
+             f"{plan.predicted_step_time * 1e3:.1f} ms, measured {run['measured_step_time'] * 1e3:.1f} ms, "
+             f"peak {fmt_mib(run['peak_memory'])}; {why}")
         iterations.append(rec)
-        if change is None:
-            note("nothing left to back off")
+        if over:
+            rec["back_off"] = "memory recalibrated: " + json.dumps(
+                calibrate.calibrate_memory(problem, [(plan, run)]))
+            note(f"over budget: {'; '.join(over)}; memory recalibrated, planning again")
+            continue
+        if ok_q:
+            accepted = (plan, run)
             break
-        note(f"back off: {change}")
+        change = _back_off(plan, problem)
+        rec["back_off"] = change
+        if change is None:
+            note("quality gate failed and nothing is left to back off")
+            break
+        note(f"quality gate failed: back off: {change}")
+
     ab = {"baseline": [base_run["measured_step_time"]], "tuned": []}
     if accepted is not None:
-        ab["tuned"].append(accepted[1]["measured_step_time"])
-        for r in range(spec.ab_repeats):
-            for name, plan in (("baseline", base), ("tuned", accepted[0])):
-                again = _summary(plan, _run_plan(spec, plan, train_ds, val_ds))
-                ab[name].append(again["measured_step_time"])
-            note(
-                f"A/B repeat {r}: baseline {ab['baseline'][-1] * 1e3:.1f} ms, "
-                f"tuned {ab['tuned'][-1] * 1e3:.1f} ms"
-            )
-    result = {
-        "ab_step_times": ab,
-        "spec": asdict(spec),
-        "world_size": world,
-        "baseline": {"plan": base.to_dict(), "run": base_run},
+        plan, run = accepted
+        ab["tuned"].append(run["measured_step_time"])
+        for _ in range(settings.ab_repeats):
+            ab["baseline"].append(runner.run_trial(base, settings, seed=0).step_time)
+            ab["tuned"].append(runner.run_trial(plan, settings, seed=0).step_time)
+        plan.measured_step_time = statistics.median(ab["tuned"])
+        plan.measured_memory = [st["measured_memory"] for st in run["stages"]]
+        speedup = statistics.median(ab["baseline"]) / statistics.median(ab["tuned"])
+        note(f"accepted: {speedup:.2f}x samples/s over the best stock configuration "
+             f"({statistics.median(ab['baseline']) * 1e3:.1f} -> {statistics.median(ab['tuned']) * 1e3:.1f} ms)")
+    return {
+        "fingerprint": fingerprint,
+        "settings": settings.model_dump(mode="json"),
+        "world_size": runner.world_size,
+        "global_batch": global_batch,
+        "profile": profile.to_dict(),
+        "stock": {"candidates": [{"notes": c.notes, "predicted_step_time": c.predicted_step_time,
+                                  "predicted_peak": max(sp.peak_memory for sp in c.stages),
+                                  "fits": plan_fits(problem, c)} for c in cands[:20]],
+                  "measured": measured},
+        "baseline": {"plan": base.to_dict(), "run": base_run, "seeds": [r["val_loss"] for r in seed_runs]},
+        "gate": gate.to_dict(),
+        "calibration": {"time": time_cal, "memory": mem_cal},
         "iterations": iterations,
         "accepted": accepted is not None,
-        "calibration": calibration,
-        "extra_baselines": extra,
+        "plan": accepted[0].to_dict() if accepted else None,
+        "ab_step_times": ab,
         "log": log,
-        "profile": [lp.to_dict() for lp in lprof],
+        "seconds": time.perf_counter() - t_start,
     }
-    if rank == 0:
-        os.makedirs(spec.out_dir, exist_ok=True)
-        write_outputs(result, base, accepted[0] if accepted else None, Path(spec.out_dir))
-        return result
-    return None
-
-
-def copy_spec(spec: TuneSpec, **changes) -> TuneSpec:
-    return TuneSpec(**{**copy.deepcopy(asdict(spec)), **changes})

@@ -6,8 +6,13 @@ activation recomputation per stage, and what the planner predicts (step time, bu
 stage by category). It renders itself as the ``"ppq"`` + DeepSpeed settings that carry it out and as
 the equivalent Megatron flags. Carrying it out is ``loop.py``'s job; this file only describes.
 
+A plan records the fingerprint of the model it was made for (``model_fingerprint``: layer count, layer
+classes, parameter shapes) and, once a trial ran it, its measured step time and per-stage peak
+memory; ``check_model`` refuses a plan for another model.
+
 Schema versions: ``PLAN_SCHEMA_VERSION`` changes whenever a field changes meaning or is removed;
-``Plan.from_dict`` refuses any other version with a message that names both.
+``Plan.from_dict`` refuses any other version with a message that names both (2: the model
+fingerprint and the measured step time and memory).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 
 __all__ = ["PLAN_SCHEMA_VERSION", "PlanError", "StagePlan", "Plan", "load_plan"]
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 2
 
 
 class PlanError(ValueError):
@@ -71,6 +76,9 @@ class Plan:
     memory_budget: int | None = None
     linear_formats: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    model_fingerprint: dict[str, Any] = field(default_factory=dict)
+    measured_step_time: float | None = None
+    measured_memory: list[dict[str, int]] = field(default_factory=list)
     schema_version: int = PLAN_SCHEMA_VERSION
 
     # ----- derived -------------------------------------------------------------------------------
@@ -97,6 +105,10 @@ class Plan:
 
     def check(self) -> None:
         """Raise ``PlanError`` if the plan is internally inconsistent."""
+        for name in ("world_size", "pipeline_degree", "micro_batch_size", "num_microbatches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise PlanError(f"{name}={v!r} must be a positive integer")
         if self.world_size % self.pipeline_degree:
             raise PlanError(
                 f"pipeline_degree={self.pipeline_degree} does not divide world_size={self.world_size}"
@@ -111,6 +123,25 @@ class Plan:
                 raise PlanError(
                     f"stage {s.layers}: {len(s.formats)} formats for {s.layers[1] - s.layers[0]} layers"
                 )
+
+    def check_model(self, fingerprint: dict[str, Any], source: str = "the plan") -> None:
+        """Raise ``PlanError`` unless the plan was made for the model with this ``fingerprint``."""
+        mine = self.model_fingerprint
+        if not mine:
+            raise PlanError(f"{source} records no model fingerprint: re-run `ppq tune` to write one")
+        if mine.get("digest") == fingerprint.get("digest"):
+            return
+        diffs = []
+        if mine.get("num_layers") != fingerprint.get("num_layers"):
+            diffs.append(f"{mine.get('num_layers')} layers in the plan, {fingerprint.get('num_layers')} "
+                         "in the model")
+        for i, (a, b) in enumerate(zip(mine.get("layers", []), fingerprint.get("layers", []))):
+            if a != b:
+                diffs.append(f"layer {i} is {a} in the plan, {b} in the model")
+                break
+        raise PlanError(
+            f"{source} was made for another model ({'; '.join(diffs) or 'parameter shapes differ'}): "
+            "re-run `ppq tune` on this model")
 
     # ----- rendering -----------------------------------------------------------------------------
     def precision_rules(self) -> list[dict[str, str]]:
@@ -219,6 +250,20 @@ def load_plan(path: str | Path) -> Plan:
     """Read a plan JSON file written by ``Plan.save``.
 
     Raises:
-        PlanError: the schema version is not this one, or the file does not match it.
+        PlanError: naming the file: it is missing, not JSON, of another schema version, or does not
+            match the schema.
     """
-    return Plan.from_dict(json.loads(Path(path).read_text()))
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise PlanError(f"plan file {p} does not exist: run `ppq tune` to write one") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanError(f"plan file {p} is not valid JSON ({e}): it may be truncated; re-run `ppq tune`"
+                        ) from None
+    if not isinstance(data, dict):
+        raise PlanError(f"plan file {p} holds a {type(data).__name__}, not a plan object")
+    try:
+        return Plan.from_dict(data)
+    except PlanError as e:
+        raise PlanError(f"plan file {p}: {e}") from None

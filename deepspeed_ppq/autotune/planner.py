@@ -42,6 +42,7 @@ from deepspeed_ppq.autotune.costs import (
     LayerProfile,
     LinkModel,
 )
+from deepspeed_ppq.autotune.memory import PREDICTED
 from deepspeed_ppq.autotune.plan import Plan, StagePlan
 
 __all__ = [
@@ -52,12 +53,14 @@ __all__ = [
     "plan_pipeline",
     "solve_partition",
     "evaluate_stages",
-    "baseline_plan",
+    "stock_plan",
+    "stock_candidates",
+    "plan_fits",
     "MEMORY_CATEGORIES",
     "stage_levels",
 ]
 
-MEMORY_CATEGORIES = ("weights", "master", "gradients", "optimizer", "activations", "buffers")
+MEMORY_CATEGORIES = PREDICTED  # weights, master, gradients, optimizer, activations, buffers, temporaries
 _INF = float("inf")
 
 
@@ -90,7 +93,11 @@ class PlanningProblem:
             (``adam8bit``, ``master_free``, ``master_free_8bit``; see ``profiler.optimizer_costs``); a
             missing kind costs as fp32 Adam.
         microbatch_overhead_s: fixed engine seconds per stage and micro-batch (instruction dispatch,
-            buffer handling, waiting); ``run_tuning`` calibrates it from the baseline run.
+            buffer handling, waiting); the tuning loop calibrates it from the measured trials.
+        step_transient_bytes_per_param: bytes per trainable parameter the engine allocates around the
+            optimizer step (a flattened gradient buffer, the optimizer's temporaries), when the
+            activations are gone and the pipe buffers stay: a stage's peak is its static bytes plus
+            its pipe buffers plus the larger of its activations and this transient.
     """
 
     layers: list[LayerProfile]
@@ -109,6 +116,7 @@ class PlanningProblem:
     optimizer_s_per_param: float = 0.0
     optimizer_cost_ratio: dict[str, float] = field(default_factory=dict)
     microbatch_overhead_s: float = 0.0
+    step_transient_bytes_per_param: float = 0.0
 
     def levels(self) -> list[str]:
         """Precision levels a stage can run at: ``none`` and every format some layer allows."""
@@ -207,6 +215,8 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
         mem["activations"] = n_act * sum(saved)
     grad_buf = layers[-1].output_bytes if c.last < len(prob.layers) else 0
     mem["buffers"] = n_buf * b * (layers[0].input_bytes + layers[-1].output_bytes) + b * grad_buf
+    transient = prob.step_transient_bytes_per_param * sum(layer.params for layer in layers)
+    mem["temporaries"] = int(max(0.0, transient - mem["activations"]))
     return mem
 
 
@@ -348,6 +358,7 @@ def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) 
     out_b = np.array([0] + [layer.output_bytes for layer in layers], dtype=float)  # out_b[j]: layer j-1
     buf_per = b * (in_b[ii] + out_b[jj])  # one pipe buffer: stage input + stage output
     grad_buf = b * out_b[jj] * (jj < L)
+    step_transient = prob.step_transient_bytes_per_param * _seg(_prefix([layer.params for layer in layers]))
     t_tab = np.full((p, N, N), _INF)
     opt_tab = np.full((p, N, N), -1, dtype=np.int64)
     min_mem = np.full((p, N, N), _INF)
@@ -360,7 +371,8 @@ def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) 
             continue
         done[held] = s
         n_act, n_buf = held
-        mem = static_opt + n_act * act_opt + transient_opt + (n_buf * buf_per + grad_buf)  # [O, N, N]
+        act = n_act * act_opt + transient_opt
+        mem = static_opt + np.maximum(act, step_transient) + (n_buf * buf_per + grad_buf)  # [O, N, N]
         mem = np.where(valid, mem, _INF)
         min_mem[s] = mem.min(axis=0)
         t_fit = np.where(mem <= budget, t_opt, _INF)
@@ -577,54 +589,64 @@ def plan_pipeline(prob: PlanningProblem) -> Plan:
 
 
 # ----------------------------------------------------------------------------------------------
-# The baseline a DeepSpeed user would configure
+# What a user of the stock engine can configure
 # ----------------------------------------------------------------------------------------------
-def _partition_balanced(weights: list[float], parts: int) -> list[int]:
-    from deepspeed.runtime.utils import partition_balanced
-
-    return [int(x) for x in partition_balanced(weights, parts)]
-
-
-def _partition_uniform(num: int, parts: int) -> list[int]:
-    from deepspeed.runtime.utils import partition_uniform
-
-    return [int(x) for x in partition_uniform(num, parts)]
-
-
-def baseline_plan(
-    prob: PlanningProblem, method: str = "parameters", pipeline_degree: int | None = None
-) -> Plan:
-    """What a DeepSpeed user would run: ``partition_method`` ``parameters`` (or ``uniform``),
-    training-dtype weights, no compression, fp32 Adam, recomputation only if needed to fit, and the
-    largest micro-batch that fits (the global batch is the problem's, or its upper end).
-
-    Raises:
-        InfeasibleBudgetError: nothing fits even with recomputation at micro-batch 1.
-    """
-    p = pipeline_degree or max(prob.degrees())
+def stock_plan(prob: PlanningProblem, boundaries: list[int], micro_batch_size: int, recompute: bool,
+               optimizer_8bit: bool, label: str) -> Plan:
+    """A stock configuration as a plan: the given stage boundaries (one of the engine's own partition
+    methods), training-dtype weights, no compression, recomputation on every stage or none, fp32 or
+    8-bit Adam states, and as many micro-batches as the global batch needs."""
+    p = len(boundaries) - 1
     dp = prob.world_size // p
-    L = len(prob.layers)
-    if method == "parameters":
-        parts = _partition_balanced([layer.params for layer in prob.layers], p)
-    elif method == "uniform":
-        parts = _partition_uniform(L, p)
-    else:
-        raise ValueError(f"method={method!r}: the baseline uses 'parameters' or 'uniform'")
     gb = prob.global_batch if isinstance(prob.global_batch, int) else prob.global_batch[1]
-    for b in sorted(prob.micro_batch_sizes, reverse=True):
-        if gb % (b * dp):
-            continue
-        k = Knobs(p, b, gb // (b * dp), "1f1b", NO_CODEC, NO_CODEC, False)
-        for rec in (False, True):
-            stages = [StageChoice(i, j, "none", rec) for i, j in zip(parts, parts[1:])]
-            ev = evaluate_stages(prob, k, stages)
-            if ev["fits"]:
-                note = f"baseline: DeepSpeed partition_method={method!r}, largest fitting micro-batch"
-                return _to_plan(prob, k, stages, ev, [note])
-    raise InfeasibleBudgetError(
-        f"the DeepSpeed baseline (partition_method={method!r}, p={p}) does not fit "
-        f"memory_budget={prob.memory_budget} B at any micro-batch size in {prob.micro_batch_sizes}"
-    )
+    if gb % (micro_batch_size * dp):
+        raise ValueError(f"micro_batch_size={micro_batch_size} x data parallel {dp} does not divide the "
+                         f"global batch {gb}")
+    k = Knobs(p, micro_batch_size, gb // (micro_batch_size * dp), "1f1b", NO_CODEC, NO_CODEC, optimizer_8bit)
+    stages = [StageChoice(i, j, "none", recompute) for i, j in zip(boundaries, boundaries[1:])]
+    return _to_plan(prob, k, stages, evaluate_stages(prob, k, stages), [label])
+
+
+def stock_candidates(prob: PlanningProblem, partitions: dict[int, dict[str, list[int]]],
+                     optimizer_8bit: bool = True) -> list[Plan]:
+    """Every stock configuration a skilled user of the engine could set, predicted, fastest first.
+
+    Args:
+        partitions: pipeline degree -> partition method -> boundaries (what the engine's own methods
+            give; identical cuts under two names are tried once).
+        optimizer_8bit: also try 8-bit Adam states (bitsandbytes, which a user can configure by hand).
+
+    Returns:
+        Plans for every degree x partition x micro-batch size dividing the global batch x
+        recomputation on/off x optimizer, sorted by predicted time per sample; each plan's
+        ``notes[0]`` names its settings. Plans that do not fit the budget are included (the caller
+        filters on ``plan_fits``).
+    """
+    gb = prob.global_batch if isinstance(prob.global_batch, int) else prob.global_batch[1]
+    out = []
+    for p, by_method in partitions.items():
+        dp = prob.world_size // p
+        seen = set()
+        for method, cuts in by_method.items():
+            if tuple(cuts) in seen:
+                continue
+            seen.add(tuple(cuts))
+            for b in prob.micro_batch_sizes:
+                if gb % (b * dp):
+                    continue
+                for rec in ((False, True) if prob.allow_recompute else (False,)):
+                    for o8 in ((False, True) if optimizer_8bit else (False,)):
+                        label = (f"stock: p={p} partition_method={method!r} micro-batch {b} x "
+                                 f"{gb // (b * dp)}, recompute {'on' if rec else 'off'}, "
+                                 f"{'8-bit' if o8 else 'fp32'} Adam")
+                        out.append(stock_plan(prob, list(cuts), b, rec, o8, label))
+    out.sort(key=lambda pl: pl.predicted_step_time / pl.global_batch)
+    return out
+
+
+def plan_fits(prob: PlanningProblem, plan: Plan) -> bool:
+    """Whether every stage's predicted peak fits the problem's budget."""
+    return prob.memory_budget is None or all(sp.peak_memory <= prob.memory_budget for sp in plan.stages)
 
 
 def simulate_plan(prob: PlanningProblem, plan: Plan) -> dict:

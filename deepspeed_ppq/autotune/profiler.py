@@ -33,7 +33,10 @@ from torch import nn
 
 from deepspeed_ppq.autotune.costs import CodecOption, LayerProfile, LinkModel
 
-__all__ = ["profile_layers", "profile_codecs", "measure_link", "profile_key", "load_cached", "save_cache"]
+__all__ = [
+    "profile_layers", "profile_codecs", "measure_link", "optimizer_costs", "profile_key", "load_cached",
+    "save_cache", "save_profile",
+]
 
 
 def _sync(device: torch.device) -> None:
@@ -369,8 +372,8 @@ def measure_link(
 # ----------------------------------------------------------------------------------------------
 # Cache
 # ----------------------------------------------------------------------------------------------
-# What a cache file holds; bump when that changes (2: per-kind optimizer costs, ``optimizer_costs``).
-PROFILE_FORMAT = 2
+# What a cache file holds; bump when that changes (3: a whole ``runner.Profile`` under "profile").
+PROFILE_FORMAT = 3
 
 
 def profile_key(layers: Sequence[nn.Module], **settings) -> str:
@@ -395,7 +398,14 @@ def load_cached(path: str | Path, key: str) -> dict | None:
     p = Path(path)
     if not p.exists():
         return None
-    data = json.loads(p.read_text())
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        warnings.warn(f"profile cache {p} is corrupted ({e}); measuring again", stacklevel=2)
+        return None
+    if not isinstance(data, dict):
+        warnings.warn(f"profile cache {p} holds no profile object; measuring again", stacklevel=2)
+        return None
     if data.get("key") != key:
         warnings.warn(
             f"profile cache {p} was measured for another model, device or version "
@@ -425,6 +435,15 @@ def save_cache(
         **extra,
     }
     Path(path).write_text(json.dumps(data, indent=1))
+
+
+def save_profile(path: str | Path, key: str, profile: dict) -> None:
+    """Write a ``runner.Profile`` dict under ``key`` (read back by ``load_cached(path, key)["profile"]``);
+    written to a temporary file and renamed, so an interrupted run leaves no half-written cache."""
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps({"key": key, "format": PROFILE_FORMAT, "profile": profile}, indent=1))
+    tmp.replace(p)
 
 
 def layers_from_cache(data: dict) -> tuple[list[LayerProfile], list[CodecOption]]:

@@ -1,141 +1,128 @@
-"""The tuning report: per stage layers, precision mix, memory by category (predicted and measured),
-time and bubble, before (the DeepSpeed baseline) and after (the accepted plan), plus the DeepSpeed
-settings and the equivalent Megatron flags."""
+"""The tuning loop's outputs: ``plan.json``, ``baseline_plan.json``, ``tune.json`` and ``report.md``.
+
+The report opens with the result (samples/s against the best measured stock configuration, the
+quality gate), then the stock search, then each plan stage by stage: predicted against measured
+time and peak memory per category (``memory.CATEGORIES``), against the budget.
+"""
 
 from __future__ import annotations
 
 import json
-from collections import Counter
+import os
+import statistics
 from pathlib import Path
 
+from deepspeed_ppq.autotune.memory import CATEGORIES, MIB
 from deepspeed_ppq.autotune.plan import Plan
 
 __all__ = ["format_report", "write_outputs"]
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f}"
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / MIB:.2f}"
 
 
-def _ratio(pred: float, meas: float) -> str:
-    return f"{(pred - meas) / meas * 100:+.1f}%" if meas else "n/a"
+def _pct(pred: float, meas: float) -> str:
+    return f"{(pred - meas) / meas:+.1%}" if meas else "-"
 
 
-def _plan_section(title: str, plan: Plan, run: dict) -> list[str]:
-    pred_t, meas_t = run["predicted_step_time"], run["measured_step_time"]
-    lines = [
-        f"## {title}",
-        "",
-        f"- pipeline degree {plan.pipeline_degree} x data parallel {plan.data_parallel}, "
-        f"schedule {plan.schedule}, "
-        f"boundaries `{plan.boundaries}`",
-        f"- micro-batch {plan.micro_batch_size} x {plan.num_microbatches} micro-batches "
-        f"(global batch {plan.global_batch})",
-        f"- activations codec `{plan.activation_codec}`, gradients codec `{plan.gradient_codec}`, "
-        f"8-bit Adam states: {plan.optimizer_8bit}, master-free weights: {plan.master_free}",
-        f"- step time: predicted {pred_t * 1e3:.1f} ms, measured {meas_t * 1e3:.1f} ms "
-        f"(prediction error {_ratio(pred_t, meas_t)}); {run['samples_per_second']:.2f} samples/s measured",
-        f"- predicted bubble fraction {plan.predicted_bubble_fraction:.3f}; "
-        f"validation loss {run['val_loss']:.4f}",
-    ]
-    if "calibrated_step_time" in run:
-        cal = run["calibrated_step_time"]
-        lines.append(
-            f"- after calibration (the model refitted to the baseline and probe runs): predicted "
-            f"{cal * 1e3:.1f} ms vs measured {meas_t * 1e3:.1f} ms ({_ratio(cal, meas_t)}), bubble "
-            f"{run['calibrated_bubble_fraction']:.3f}"
-        )
-    sim = run.get("simulated") or run.get("simulated_after_calibration")
-    if sim:
-        lines.append(
-            "- schedule simulator (DeepSpeed TrainSchedule, same costs): "
-            f"step {sim['step_time'] * 1e3:.1f} ms, "
-            f"bubble {sim['bubble_fraction']:.3f}"
-        )
-    lines += [
-        "",
-        "| stage | layers | precision | recompute | time/µb ms | memory MiB predicted | measured | error |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+def _plan_section(title: str, plan: dict, run: dict, budget: int | None) -> list[str]:
+    p = Plan.from_dict(plan)
+    out = [f"## {title}", ""]
+    out.append(f"- boundaries {p.boundaries}, micro-batch {p.micro_batch_size} x {p.num_microbatches} "
+               f"(global batch {p.global_batch}), schedule {p.schedule}")
+    out.append(f"- weights {sorted(set(p.layer_formats))}, master-free {p.master_free}, 8-bit Adam "
+               f"{p.optimizer_8bit}, recompute {[s.recompute for s in p.stages]}")
+    out.append(f"- codecs: activations {p.activation_codec}, gradients {p.gradient_codec}")
+    out.append(f"- step time: predicted {p.predicted_step_time * 1e3:.1f} ms, measured "
+               f"{run['measured_step_time'] * 1e3:.1f} ms ({_pct(p.predicted_step_time, run['measured_step_time'])});"
+               f" calibrated {run['calibrated_step_time'] * 1e3:.1f} ms" if "calibrated_step_time" in run else
+               f"- step time: predicted {p.predicted_step_time * 1e3:.1f} ms, measured "
+               f"{run['measured_step_time'] * 1e3:.1f} ms ({_pct(p.predicted_step_time, run['measured_step_time'])})")
+    out.append(f"- validation loss {run['val_loss']:.4f}")
+    out += ["", f"Peak memory per stage, MiB (predicted / measured; budget {_mib(budget)}):", "",
+            "| stage | layers | " + " | ".join(CATEGORIES) + " | total | error |",
+            "|---|---|" + "---|" * (len(CATEGORIES) + 2)]
     for st in run["stages"]:
-        mix = ", ".join(f"{f}x{n}" for f, n in Counter(st["formats"]).items())
-        pm = sum(st["predicted_memory"].values())
-        mm = sum(v for k, v in st["measured_memory"].items() if k != "cuda_max_allocated")
-        lines.append(
-            f"| {st['stage']} | {st['layers'][0]}-{st['layers'][1] - 1} | {mix} | {st['recompute']} | "
-            f"{st['predicted_time_per_microbatch'] * 1e3:.2f} | {_mib(pm)} | {_mib(mm)} | {_ratio(pm, mm)} |"
-        )
-    lines += ["", "Measured engine time per step by instruction (ms):", ""]
-    names = sorted({n for st in run["stages"] for n in st.get("measured_instructions_per_step", {})})
-    if names:
-        lines.append("| stage | " + " | ".join(names) + " |")
-        lines.append("|---" * (len(names) + 1) + "|")
-        for st in run["stages"]:
-            ins = st.get("measured_instructions_per_step", {})
-            lines.append(
-                f"| {st['stage']} | " + " | ".join(f"{ins.get(n, 0.0) * 1e3:.1f}" for n in names) + " |"
-            )
-    lines += ["", "Memory by category (MiB, predicted / measured):", ""]
-    cats = list(run["stages"][0]["predicted_memory"])
-    lines.append("| stage | " + " | ".join(cats) + " |")
-    lines.append("|---" * (len(cats) + 1) + "|")
+        pm, mm = st["predicted_memory"], st["measured_memory"]
+        cells = [f"{_mib(pm.get(c, 0))} / {_mib(mm.get(c, 0))}" for c in CATEGORIES]
+        tot_p, tot_m = st["predicted_memory_total"], mm["total"]
+        out.append(f"| {st['stage']} | {st['layers'][0]}-{st['layers'][1] - 1} | " + " | ".join(cells)
+                   + f" | {_mib(tot_p)} / {_mib(tot_m)} | {_pct(tot_p, tot_m)} |")
+    out += ["", "Time per stage and step, ms (measured engine instructions):", "",
+            "| stage | predicted per micro-batch | ForwardPass | BackwardPass | OptimizerStep | send/recv |",
+            "|---|---|---|---|---|---|"]
     for st in run["stages"]:
-        cells = [f"{_mib(st['predicted_memory'][c])} / {_mib(st['measured_memory'].get(c, 0))}" for c in cats]
-        lines.append(f"| {st['stage']} | " + " | ".join(cells) + " |")
-    lines.append("")
-    return lines
+        ins = st["measured_instructions_per_step"]
+        comm = sum(v for k, v in ins.items() if k.startswith(("Send", "Recv")))
+        out.append(f"| {st['stage']} | {st['predicted_time_per_microbatch'] * 1e3:.2f} | "
+                   f"{ins.get('ForwardPass', 0) * 1e3:.1f} | {ins.get('BackwardPass', 0) * 1e3:.1f} | "
+                   f"{ins.get('OptimizerStep', 0) * 1e3:.1f} | {comm * 1e3:.1f} |")
+    return out + [""]
 
 
-def format_report(result: dict, base: Plan, tuned: Plan | None) -> str:
-    """Markdown report of a ``run_tuning`` result."""
+def format_report(result: dict) -> str:
+    """Markdown report of a ``loop.tune`` result."""
+    s = result["settings"]
+    budget = s.get("memory_budget")
+    base = result["baseline"]
+    ab = result["ab_step_times"]
     lines = ["# ppq tune report", ""]
-    lines += _plan_section(
-        "Before: DeepSpeed baseline (partition_method=parameters, fp32, no compression)",
-        base,
-        result["baseline"]["run"],
-    )
-    for method, rec in result.get("extra_baselines", {}).items():
-        lines += _plan_section(
-            f"Also measured: DeepSpeed partition_method={method}", Plan.from_dict(rec["plan"]), rec["run"]
-        )
-    for rec in result["iterations"]:
-        plan = Plan.from_dict(rec["plan"])
-        verdict = "accepted" if rec["accepted"] else f"rejected; back-off: {rec.get('back_off')}"
-        lines += _plan_section(f"Iteration {rec['iteration']} ({verdict})", plan, rec["run"])
-    if tuned is not None:
-        b, t = result["baseline"]["run"], result["iterations"][-1]["run"]
-        lines += [
-            "## Before vs after",
-            "",
-            f"- samples/s: {b['samples_per_second']:.2f} -> {t['samples_per_second']:.2f} "
-            f"({t['samples_per_second'] / b['samples_per_second']:.2f}x)",
-            f"- predicted bubble fraction: {base.predicted_bubble_fraction:.3f} -> "
-            f"{tuned.predicted_bubble_fraction:.3f}",
-            f"- validation loss: {b['val_loss']:.4f} -> {t['val_loss']:.4f}",
-            "",
-            "## DeepSpeed settings",
-            "",
-            "```json",
-            json.dumps(tuned.deepspeed_config(), indent=2),
-            "```",
-            "",
-            "## Equivalent Megatron flags",
-            "",
-            "```",
-            " \\\n  ".join(tuned.megatron_flags()),
-            "```",
-        ]
+    fp = result["fingerprint"]
+    lines.append(f"Model: {fp['num_layers']} layers (fingerprint {fp['digest']}), world size "
+                 f"{result['world_size']}, global batch {result['global_batch']}, budget "
+                 f"{_mib(budget)} MiB per stage (+{s['memory_tolerance']:.0%} tolerance, measured peak).")
+    lines.append("")
+    if result["accepted"]:
+        t_base, t_tuned = statistics.median(ab["baseline"]), statistics.median(ab["tuned"])
+        lines.append(f"**Result: {t_base / t_tuned:.2f}x samples/s** over the best measured stock DeepSpeed "
+                     f"configuration ({t_base * 1e3:.1f} -> {t_tuned * 1e3:.1f} ms per step, medians of "
+                     f"{len(ab['baseline'])} and {len(ab['tuned'])} runs).")
     else:
-        lines += ["## No plan accepted", "", "Every iteration missed the validation-loss tolerance."]
-    lines += ["", "## Log", ""] + [f"- {m}" for m in result["log"]]
+        lines.append("**No plan was accepted**; the best stock configuration stands (see the iterations).")
+    g = result["gate"]
+    lines += ["", f"Quality gate: baseline validation loss {g.get('mean', 0):.4f} over "
+              f"{len(g.get('losses', []))} seed(s), spread {g.get('spread', 0):.4f}, limit "
+              f"{g.get('limit', 0):.4f}.", ""]
+    lines += ["## Stock search (what a DeepSpeed user can set)", "",
+              "| configuration | predicted ms | predicted peak MiB | measured ms | measured peak MiB | fits |",
+              "|---|---|---|---|---|---|"]
+    measured = {m["plan"]["notes"][0]: m for m in result["stock"]["measured"]}
+    for c in result["stock"]["candidates"][:12]:
+        m = measured.get(c["notes"][0])
+        lines.append(f"| {c['notes'][0].removeprefix('stock: ')} | {c['predicted_step_time'] * 1e3:.1f} | "
+                     f"{_mib(c['predicted_peak'])} | "
+                     + (f"{m['run']['measured_step_time'] * 1e3:.1f} | {_mib(m['run']['peak_memory'])} | "
+                        f"{'yes' if m['fits'] else 'no'} |" if m else f"- | - | {'(yes)' if c['fits'] else 'no'} |"))
+    lines.append("")
+    lines += _plan_section("Baseline: the best measured stock configuration", base["plan"], base["run"], budget)
+    for rec in result["iterations"]:
+        verdict = "accepted" if rec["accepted"] else f"rejected ({rec.get('back_off') or 'over budget'})"
+        lines += _plan_section(f"Iteration {rec['iteration']}: {verdict}", rec["plan"], rec["run"], budget)
+        lines += [f"Quality: {rec['quality']}", ""]
+    cal = result["calibration"]
+    lines += ["## Calibration", "",
+              f"- layer times x{cal['time']['time_scale']:.3f}, engine "
+              f"{cal['time']['fixed_per_microbatch_s'] * 1e3:.2f} ms per stage and micro-batch, link latency "
+              f"{cal['time']['link_latency_s'] * 1e6:.0f} us",
+              f"- step transient {cal['memory']['step_transient_bytes_per_param']:.2f} B per parameter "
+              f"(prior {cal['memory']['before']:.2f})", "", "## Log", ""]
+    lines += [f"- {m}" for m in result["log"]]
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(result: dict, base: Plan, tuned: Plan | None, out_dir: Path) -> None:
-    """``plan.json`` (the accepted plan), ``baseline_plan.json``, ``tune.json`` and ``report.md``."""
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_outputs(result: dict, out_dir: Path) -> None:
+    """``plan.json`` (the accepted plan, if any), ``baseline_plan.json``, ``tune.json`` and ``report.md``;
+    each written whole (temporary file + rename)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    if tuned is not None:
-        tuned.save(out_dir / "plan.json")
-    base.save(out_dir / "baseline_plan.json")
-    (out_dir / "tune.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    (out_dir / "report.md").write_text(format_report(result, base, tuned))
+    _write(out_dir / "tune.json", json.dumps(result, indent=1, default=str))
+    _write(out_dir / "baseline_plan.json", json.dumps(result["baseline"]["plan"], indent=2))
+    if result["plan"] is not None:
+        _write(out_dir / "plan.json", json.dumps(result["plan"], indent=2) + "\n")
+    _write(out_dir / "report.md", format_report(result))

@@ -1,0 +1,164 @@
+"""Memory per pipeline stage: one vocabulary for what the planner predicts and what a trial measures.
+
+The planner predicts a stage's peak bytes in the categories of ``PREDICTED`` (``planner.stage_memory``);
+a trial measures the stage's peak with PyTorch's category-aware tracker
+(``torch.distributed._tools.mem_tracker.MemTracker``), which sees every tensor storage the stage
+allocates while it trains and attributes it to parameters, buffers, gradients, optimizer states,
+activations (tensors made in forward or recomputation) or temporaries (tensors made in backward).
+Both are reported in the coarser ``CATEGORIES`` that the two can agree on:
+
+============== =============================================== ===========================================
+category       predicted (planner)                              measured (tracker)
+============== =============================================== ===========================================
+parameters     ``weights`` (codes + scales, or training dtype)  parameters + module buffers
+               + ``master`` (fp32 masters of low-bit weights)
+gradients      ``gradients``                                    gradients
+optimizer      ``optimizer``                                    optimizer states
+activations    ``activations`` (saved for backward, per          activations: saved tensors, stage outputs,
+               in-flight micro-batch) + ``buffers`` (pipe        received pipe buffers, batches
+               buffers)
+temporaries    ``temporaries`` (largest backward transient)     temporaries (allocated during backward)
+============== =============================================== ===========================================
+
+The budget binds on the measured total at the stage's peak (``StageMemTracker.peak``). RSS is no
+measure: it holds the allocator's slack, library state and every other process's shared pages.
+
+On CUDA the tracker is still the per-category measure; ``torch.cuda.max_memory_allocated`` is
+recorded beside it by the runner.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+_OPT = _MemRefType.OPT
+
+__all__ = ["CATEGORIES", "PREDICTED", "coarse", "StageMemTracker", "measure_peak", "fmt_mib", "MIB"]
+
+MIB = 1 << 20
+# what the planner predicts, per stage
+PREDICTED = ("weights", "master", "gradients", "optimizer", "activations", "buffers", "temporaries")
+# what prediction and measurement are compared in
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+_FROM_PREDICTED = {
+    "weights": "parameters",
+    "master": "parameters",
+    "gradients": "gradients",
+    "optimizer": "optimizer",
+    "activations": "activations",
+    "buffers": "activations",
+    "temporaries": "temporaries",
+}
+_FROM_TRACKER = {
+    "Parameter": "parameters",
+    "Buffer": "parameters",
+    "Gradient": "gradients",
+    "Optstate": "optimizer",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Other": "activations",
+}
+
+
+def coarse(predicted: dict[str, float]) -> dict[str, int]:
+    """Planner categories (``PREDICTED``) summed into ``CATEGORIES``."""
+    out = dict.fromkeys(CATEGORIES, 0)
+    for k, v in predicted.items():
+        if k not in _FROM_PREDICTED:
+            raise ValueError(f"memory category {k!r} is not one of {PREDICTED}")
+        out[_FROM_PREDICTED[k]] += int(v)
+    return out
+
+
+def fmt_mib(n: float) -> str:
+    return f"{n / MIB:.2f} MiB"
+
+
+class StageMemTracker(MemTracker):
+    """``MemTracker`` for one pipeline stage that runs its module once per micro-batch.
+
+    The stock tracker keeps per-module statistics and refuses a root module called twice in one
+    iteration; a pipeline stage does exactly that. This tracker keeps what the budget needs, the
+    device-wide peak by category, and drops the per-module statistics: a module is registered (its
+    parameters, buffers and gradient hooks) on its first forward; a forward during backward marks the
+    recomputation region (activation checkpointing), whose tensors count as activations, as in the
+    stock tracker.
+
+    Usage::
+
+        tracker = StageMemTracker()
+        tracker.track_external(module, optimizer)
+        with tracker:
+            for batch in batches:
+                engine.train_batch(batch)
+        tracker.peak()   # {"parameters": ..., "gradients": ..., ..., "total": ...}
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._registered: weakref.WeakSet = weakref.WeakSet()
+
+    def track_external(self, *external) -> None:
+        """As ``MemTracker.track_external``; an optimizer also gets step hooks of its own that mark its
+        step (the global optimizer hooks do not fire for every optimizer a wrapper steps)."""
+        super().track_external(*external)
+        for obj in external:
+            if isinstance(obj, torch.optim.Optimizer):
+                obj.register_step_pre_hook(lambda *_: setattr(self, "_in_opt", True))
+                obj.register_step_post_hook(lambda opt, *_: self._leave_step(opt))
+
+    def _leave_step(self, optimizer) -> None:
+        if self._depth:
+            self._track_optimizer_states(_OPT, optimizer)
+        self._in_opt = False
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        if module not in self._registered:
+            self._registered.add(module)
+            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+        elif self._mod_tracker.is_bw and self._ac_mod is None:
+            self._ac_mod = weakref.ref(module)
+            self._in_ac = True
+
+    def _post_fw_hook(self, module, inputs, outputs) -> None:
+        if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
+            self._ac_mod = None
+            self._in_ac = False
+
+    def _pre_bw_hook(self, module, args) -> None:
+        pass
+
+    def _post_bw_hook(self, module, args) -> None:
+        pass
+
+    def _snapshot(self, kind: str) -> dict[str, int]:
+        out = dict.fromkeys(CATEGORIES, 0)
+        for _dev, snap in self.get_tracker_snapshot(kind).items():
+            for ref, v in snap.items():
+                name = getattr(ref, "value", str(ref))
+                if name in _FROM_TRACKER:
+                    out[_FROM_TRACKER[name]] += int(v)
+        out["total"] = sum(out[c] for c in CATEGORIES)
+        return out
+
+    def peak(self) -> dict[str, int]:
+        """Bytes by category at the moment of the largest total, plus ``"total"``."""
+        return self._snapshot("peak")
+
+    def current(self) -> dict[str, int]:
+        return self._snapshot("current")
+
+
+def measure_peak(fn, *track) -> dict[str, int]:
+    """Run ``fn()`` under a fresh ``StageMemTracker`` (tracking ``track``: modules, optimizers) and
+    return its peak by category."""
+    tracker = StageMemTracker()
+    if track:
+        tracker.track_external(*track)
+    with tracker:
+        fn()
+    return tracker.peak()
+

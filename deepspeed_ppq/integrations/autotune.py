@@ -1,0 +1,606 @@
+"""Tuning the user's own DeepSpeed pipeline model: the DeepSpeed runner and the public entry points.
+
+* ``DeepSpeedRunner``: the ``autotune.TuningRunner`` for DeepSpeed's pipeline engine. It takes the
+  user's ``PipelineModule`` (or its list of layers / ``LayerSpec`` / ``TiedLayerSpec``), loss, data and
+  DeepSpeed config; profiles the layers; says how DeepSpeed's own partition methods cut them; and runs a
+  trial plan as a fresh ``PPQPipelineModule`` + ``PPQPipelineEngine`` (the plan's boundaries, weight
+  formats, recomputation, micro-batches, optimizer and codecs) for a few real steps, measuring time per
+  step and instruction, each stage's peak memory by category (``autotune.memory.StageMemTracker``)
+  and validation loss.
+* ``autotune(model, loss_fn, train_data, val_data, config)``: the whole loop on every rank of the
+  running job (``deepspeed_ppq.autotune(...)`` calls it); returns the accepted ``Plan``.
+* ``model_fingerprint(layers)``: what a plan records of the model it was made for.
+* ``ppq tune script.py [script args] [--budget-mb N ...]``: runs the user's unmodified training script
+  on local ranks (or under a launcher); its call to ``deepspeed_ppq.initialize`` hands the model, data
+  and config to the runner instead of training (``capture_initialize``).
+
+Each trial starts from the same initial weights: ``LayerSpec`` layers are built with DeepSpeed's
+per-layer seeds (``seed_layers``, ``base_seed`` + the seed of the trial), modules given as objects are
+copied from a pristine copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import hashlib
+import json
+import os
+import runpy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from torch import nn
+
+from deepspeed_ppq.autotune import profiler
+from deepspeed_ppq.autotune.loop import codec_dict, tune
+from deepspeed_ppq.autotune.memory import StageMemTracker
+from deepspeed_ppq.autotune.plan import Plan
+from deepspeed_ppq.autotune.report import write_outputs
+from deepspeed_ppq.autotune.runner import Profile, StageMeasurement, TrialResult
+from deepspeed_ppq.config import PPQConfigError, WeightsConfig, load_ppq_config
+from deepspeed_ppq.integrations.stage import infer_block_layers
+
+__all__ = ["DeepSpeedRunner", "autotune", "model_fingerprint", "layer_specs", "capture_initialize",
+           "add_parser", "spawn_local"]
+
+# DeepSpeed's engine flattens the gradients into one buffer for its data-parallel reduce (even with
+# one replica): about one fp32 gradient per parameter. A prior; the loop refits it from measurements.
+_DS_STEP_TRANSIENT = 4.0
+
+
+# ----------------------------------------------------------------------------------------------
+# The model as a list of layers
+# ----------------------------------------------------------------------------------------------
+def layer_specs(model) -> list:
+    """The layer list of a ``PipelineModule`` (its ``_layer_specs``) or the list itself."""
+    if isinstance(model, PipelineModule):
+        return list(model._layer_specs)
+    if isinstance(model, (list, tuple)):
+        return list(model)
+    raise TypeError(f"model must be a deepspeed PipelineModule or a list of layers/LayerSpecs, got "
+                    f"{type(model).__name__}")
+
+
+class _Call(nn.Module):
+    """A tied layer's module called through its ``forward_fn``, or a plain function, as a layer."""
+
+    def __init__(self, module: nn.Module | None, fn):
+        super().__init__()
+        self.inner = module
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self.inner, x) if self.inner is not None else self.fn(x)
+
+
+def _build_all(specs: list, device: str | None = None) -> list[nn.Module]:
+    """Every layer built in one process (tied specs share their module), for profiling."""
+    tied: dict[str, nn.Module] = {}
+    out = []
+    ctx = torch.device(device) if device else torch.device("cpu")
+    with ctx:
+        for spec in specs:
+            if isinstance(spec, TiedLayerSpec):
+                mod = tied.get(spec.key) or tied.setdefault(spec.key, spec.build())
+                out.append(_Call(mod, spec.forward_fn) if spec.forward_fn is not None else mod)
+            elif isinstance(spec, LayerSpec):
+                out.append(spec.build())
+            elif isinstance(spec, nn.Module):
+                out.append(spec if device == "meta" else copy.deepcopy(spec))
+            elif callable(spec):
+                out.append(_Call(None, spec))
+            else:
+                raise TypeError(f"layer {len(out)} is a {type(spec).__name__}: use an nn.Module, a LayerSpec "
+                                "or a callable")
+    return out
+
+
+def _name(spec) -> str:
+    if isinstance(spec, LayerSpec):
+        return spec.typename.__name__ + (f"[tied:{spec.key}]" if isinstance(spec, TiedLayerSpec) else "")
+    return type(spec).__name__ if isinstance(spec, nn.Module) else getattr(spec, "__name__", "fn")
+
+
+def model_fingerprint(model) -> dict:
+    """Layer count, each layer's class and parameter shapes, and a digest of them (built on the meta
+    device: nothing is allocated)."""
+    specs = layer_specs(model)
+    layers = []
+    for spec, mod in zip(specs, _build_all(specs, device="meta")):
+        layers.append([_name(spec), [list(p.shape) for p in mod.parameters()]])
+    digest = hashlib.sha256(json.dumps(layers).encode()).hexdigest()[:16]
+    return {"num_layers": len(specs), "layers": [f"{n} {s}" for n, s in layers], "digest": digest}
+
+
+def _kinds(specs: list, block_layers: list[int] | None) -> list[str]:
+    """``embed`` / ``block`` / ``head`` / ``other`` per layer, for the precision policy and recompute."""
+    blocks = set(block_layers or [])
+    first, last = (min(blocks), max(blocks)) if blocks else (0, len(specs) - 1)
+    return ["block" if i in blocks else "embed" if i < first else "head" if i > last else "other"
+            for i in range(len(specs))]
+
+
+def _stack(items: list):
+    """Collate dataset items (tuples of tensors) into one batch."""
+    first = items[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(items)
+    if isinstance(first, (tuple, list)):
+        return tuple(_stack([it[k] for it in items]) for k in range(len(first)))
+    return torch.as_tensor(items)
+
+
+def _batches(dataset, order: list[int], b: int, start: int, count: int) -> list:
+    n = len(order)
+    return [_stack([dataset[order[(start + k * b + j) % n]] for j in range(b)]) for k in range(count)]
+
+
+# ----------------------------------------------------------------------------------------------
+# The runner
+# ----------------------------------------------------------------------------------------------
+class DeepSpeedRunner:
+    """``TuningRunner`` for DeepSpeed's pipeline engine (see the module docstring).
+
+    Args:
+        model: a ``PipelineModule`` or its list of layers / ``LayerSpec``s / ``TiedLayerSpec``s.
+        loss_fn: ``loss_fn(output, labels)`` (default: the ``PipelineModule``'s).
+        train_data, val_data: map-style datasets of ``(inputs, labels)`` items.
+        ds_config: the DeepSpeed config (its ``"optimizer"`` gives learning rate and betas).
+        weights: the precision policy (``ppq.weights``) low-bit formats are decided under.
+        block_layers: global indices of the repeated blocks (default: inferred).
+    """
+
+    def __init__(self, model, loss_fn, train_data, val_data, ds_config: dict, *,
+                 weights: WeightsConfig | None = None, block_layers: list[int] | None = None):
+        self.specs = layer_specs(model)
+        self.loss_fn = loss_fn or getattr(model, "loss_fn", None)
+        if self.loss_fn is None:
+            raise PPQConfigError("autotune needs a loss: pass loss_fn=... or a PipelineModule built with one")
+        self.train_data, self.val_data = train_data, val_data
+        self.ds_config = dict(ds_config)
+        self.weights = weights or WeightsConfig()
+        self.block_layers = list(block_layers) if block_layers is not None else (
+            getattr(model, "block_layers", None) or infer_block_layers(self.specs))
+        self.kinds = _kinds(self.specs, self.block_layers)
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        # modules given as objects: trials copy these pristine ones
+        self._pristine = [copy.deepcopy(s) if isinstance(s, nn.Module) else s for s in self.specs]
+        self._fingerprint = model_fingerprint(self.specs)
+
+    # ----- protocol ------------------------------------------------------------------------------
+    def fingerprint(self) -> dict:
+        return self._fingerprint
+
+    def share(self, obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def log(self, message: str) -> None:
+        if self.rank == 0:
+            print(f"[ppq tune] {message}", flush=True)
+
+    def stock_partitions(self, pipeline_degree: int) -> dict[str, list[int]]:
+        """DeepSpeed's own ``uniform``, ``parameters`` and ``type:<block class>`` cuts."""
+        from deepspeed.runtime import utils as ds_utils
+
+        L, p = len(self.specs), pipeline_degree
+        out = {"uniform": [int(x) for x in ds_utils.partition_uniform(L, p)]}
+        counts = [sum(q.numel() for q in m.parameters()) for m in _build_all(self.specs, device="meta")]
+        out["parameters"] = [int(x) for x in ds_utils.partition_balanced(counts, p)]
+        if self.block_layers:
+            cls = _name(self.specs[self.block_layers[0]]).split("[")[0]
+            binary = [1 if i in set(self.block_layers) else 0 for i in range(L)]
+            out[f"type:{cls}"] = [int(x) for x in ds_utils.partition_balanced(binary, p)]
+        return {k: v for k, v in out.items() if all(a < b for a, b in zip(v, v[1:]))}
+
+    def profile(self, settings) -> Profile:
+        """Profile on rank 0 (the others wait), with the link measured between rank pairs."""
+        fmts = [getattr(f, "value", f) for f in settings.formats]
+        gb = settings.global_batch or self.ds_config.get("train_batch_size") or 8
+        from deepspeed_ppq.autotune.loop import default_micro_batch_sizes
+
+        mbs = sorted(settings.micro_batch_sizes or default_micro_batch_sizes(gb))
+        timed = sorted({mbs[0], mbs[-1]})
+        codecs = {json.dumps(codec_dict(c), sort_keys=True): codec_dict(c)
+                  for c in [*settings.activation_codecs, *settings.gradient_codecs]}
+        payload = None
+        if self.rank == 0:
+            layers = _build_all(self.specs)
+            key = profiler.profile_key(layers, mbs=timed, formats=fmts, reps=settings.profile_reps,
+                                       weights=self.weights.model_dump(mode="json"), codecs=sorted(codecs))
+            cached = profiler.load_cached(settings.profile_cache, key) if settings.profile_cache else None
+            if cached is not None:
+                try:
+                    Profile.from_dict(cached["profile"])
+                    payload = cached["profile"]
+                except (KeyError, TypeError, ValueError) as e:
+                    import warnings
+
+                    warnings.warn(f"profile cache {settings.profile_cache} does not hold a usable profile "
+                                  f"({type(e).__name__}: {e}); measuring again", stacklevel=2)
+            if payload is None:
+                def make_batch(b):
+                    return _stack([self.train_data[i][:2] for i in range(b)])
+
+                lprof = profiler.profile_layers(layers, self.kinds, make_batch, self.loss_fn, self.weights,
+                                                fmts, timed, reps=settings.profile_reps)
+                boundary = max(lprof[:-1], key=lambda lp: lp.output_bytes) if len(lprof) > 1 else lprof[0]
+                shape = (mbs[-1], max(1, boundary.output_bytes // 4))
+                prof = Profile(layers=lprof, codecs=profiler.profile_codecs(list(codecs.values()), shape),
+                               link=profiler.LinkModel(), optimizer_costs=profiler.optimizer_costs(),
+                               step_transient_bytes_per_param=_DS_STEP_TRANSIENT)
+                payload = prof.to_dict()
+                if settings.profile_cache:
+                    profiler.save_profile(settings.profile_cache, key, payload)
+        payload = self.share(payload)
+        prof = Profile.from_dict(payload)
+        link = self.share(profiler.measure_link())
+        prof.link = link
+        return prof
+
+    # ----- a trial ----------------------------------------------------------------------------------
+    def _optimizer(self, params, eight_bit: bool):
+        from deepspeed_ppq.quant import build_optimizer
+
+        opt = self.ds_config.get("optimizer") or {}
+        kind = str(opt.get("type", "adam")).lower()
+        kind = "adamw" if "adamw" in kind else "adam"
+        hp = dict(opt.get("params") or {})
+        kw = {k: hp[k] for k in ("lr", "weight_decay", "eps") if k in hp}
+        if "betas" in hp:
+            kw["betas"] = tuple(hp["betas"])
+        return build_optimizer(params, kind + ("8bit" if eight_bit else ""), **kw)
+
+    def _trial_specs(self) -> list:
+        return [copy.deepcopy(s) if isinstance(s, nn.Module) else s for s in self._pristine]
+
+    def run_trial(self, plan: Plan, settings, seed: int = 0) -> TrialResult:
+        from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+        import deepspeed_ppq
+        from deepspeed_ppq.integrations.pipe_module import PPQPipelineModule
+
+        rank, world = self.rank, self.world_size
+        stage = rank // plan.data_parallel
+        replica = rank % plan.data_parallel
+        torch.manual_seed(1234 + seed)
+        weights = {**self.weights.model_dump(mode="json", exclude={"format", "rules"}),
+                   **plan.ppq_section()["weights"]}
+        module = PPQPipelineModule(
+            self._trial_specs(),
+            topology=PipeDataParallelTopology(num_pp=plan.pipeline_degree, num_dp=plan.data_parallel),
+            boundaries=plan.boundaries, loss_fn=self.loss_fn, weights=weights,
+            block_layers=self.block_layers, seed_layers=True, base_seed=1234 + seed,
+            activation_checkpoint_interval=1 if plan.stages[stage].recompute else 0,
+            checkpointable_layers=sorted({_name(s).split("[")[0] for s, k in zip(self.specs, self.kinds)
+                                          if k != "embed"}),
+        )
+        optimizer = self._optimizer([p for p in module.parameters() if p.requires_grad], plan.optimizer_8bit)
+        section = plan.ppq_section()
+        ds_cfg = {k: v for k, v in self.ds_config.items() if k not in ("optimizer", "ppq", "scheduler")}
+        ds_cfg.update(train_batch_size=plan.global_batch, train_micro_batch_size_per_gpu=plan.micro_batch_size,
+                      gradient_accumulation_steps=plan.num_microbatches, steps_per_print=10**9)
+        ds_cfg["ppq"] = {k: v for k, v in section.items() if k != "weights"}
+        engine, _, _, _ = deepspeed_ppq.initialize(model=module, optimizer=optimizer, config=ds_cfg)
+        instr: dict[str, float] = {}
+        timing = [False]
+
+        def timed(name, fn):
+            def run(self_, *a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(self_, *a, **k)
+                finally:
+                    if timing[0]:
+                        instr[name] = instr.get(name, 0.0) + time.perf_counter() - t0
+            return run
+
+        # per-instruction times (DeepSpeed's wall_clock_breakdown crashes the PipelineEngine in 0.19.8)
+        engine._INSTRUCTION_MAP = {k: timed(k.__name__, v) for k, v in type(engine)._INSTRUCTION_MAP.items()}
+        g = torch.Generator().manual_seed(seed)
+        order = torch.randperm(len(self.train_data), generator=g).tolist()
+        b, m = plan.micro_batch_size, plan.num_microbatches
+        times = []
+
+        def step(k: int) -> None:
+            data = _batches(self.train_data, order, b, (k * plan.data_parallel + replica) * b * m, m)
+            dist.barrier()
+            t0 = time.perf_counter()
+            engine.train_batch(iter(data))
+            times.append(time.perf_counter() - t0)
+
+        for k in range(settings.trial_steps):
+            timing[0] = k >= settings.warmup_steps
+            step(k)
+        timing[0] = False
+        # memory: two more steps under the tracker (it slows every op, so it times nothing)
+        tracker = StageMemTracker()
+        tracker.track_external(module, optimizer, *_engine_tensors(engine))
+        with tracker:
+            for k in range(settings.trial_steps, settings.trial_steps + 2):
+                step(k)
+        memory = tracker.peak()
+        times = times[: settings.trial_steps]
+        val_order = list(range(len(self.val_data)))
+        losses = []
+        for k in range(settings.val_batches):
+            vb = _batches(self.val_data, val_order, b, k * b * m, m)
+            loss = engine.eval_batch(iter(vb))
+            losses.append(float(loss) if loss is not None else 0.0)
+        val = torch.tensor(statistics.mean(losses))
+        dist.all_reduce(val, op=dist.ReduceOp.MAX)  # the last stage holds the loss, the others 0
+        mine = {"stage": stage, "times": times, "instructions": {k: v / (settings.trial_steps -
+                settings.warmup_steps) for k, v in instr.items()}, "memory": memory,
+                "device_max": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+                "wire": {f"{k[0]}.{k[1]}": v for k, v in engine.ppq_stats().items()}}
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+        engine = module = optimizer = tracker = None  # free this trial before the next one is built
+        gc.collect()
+        stages = []
+        for s in range(plan.pipeline_degree):
+            rs = [r for r in gathered if r["stage"] == s]
+            mem = {k: max(r["memory"][k] for r in rs) for k in rs[0]["memory"]}
+            dmax = [r["device_max"] for r in rs if r["device_max"] is not None]
+            stages.append(StageMeasurement(s, rs[0]["instructions"], mem, max(dmax) if dmax else None))
+        step_times = [max(r["times"][k] for r in gathered) for k in range(len(times))]
+        wire = {}
+        for r in gathered:
+            wire.update(r["wire"])
+        return TrialResult(step_times, settings.warmup_steps, float(val), stages, wire)
+
+
+def _engine_tensors(engine) -> list[torch.Tensor]:
+    """The pipe engine's long-lived buffers (allocated on the first step, before the tracker saw them)."""
+    out = []
+    for name in ("pipe_recv_buf", "grad_layer"):
+        t = getattr(engine, name, None)
+        for x in t if isinstance(t, (tuple, list)) else (t,):
+            if isinstance(x, torch.Tensor):
+                out.append(x)
+    for key in ("inputs", "outputs"):
+        for t in engine.pipe_buffers.get(key, []):
+            for x in t if isinstance(t, (tuple, list)) else (t,):
+                if isinstance(x, torch.Tensor):
+                    out.append(x)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry points
+# ----------------------------------------------------------------------------------------------
+def _split_val(train_data, n: int):
+    from torch.utils.data import Subset
+
+    total = len(train_data)
+    if total <= n:
+        raise PPQConfigError(f"ppq.autotune.val_samples={n}: the training data has only {total} samples; "
+                             "pass val_data or lower val_samples")
+    return Subset(train_data, range(total - n)), Subset(train_data, range(total - n, total))
+
+
+def _global_batch(settings, ds_config: dict) -> int:
+    if settings.global_batch:
+        return settings.global_batch
+    if ds_config.get("train_batch_size"):
+        return int(ds_config["train_batch_size"])
+    mb = ds_config.get("train_micro_batch_size_per_gpu")
+    gas = ds_config.get("gradient_accumulation_steps")
+    if mb and gas:
+        return int(mb) * int(gas)
+    raise PPQConfigError("autotune needs the global batch: set train_batch_size in the DeepSpeed config or "
+                         "ppq.autotune.global_batch")
+
+
+def autotune(model, loss_fn=None, train_data=None, val_data=None, config=None, *, block_layers=None,
+             out_dir: str | None = None) -> Plan | None:
+    """Tune ``model`` on every rank of the running job (``torch.distributed`` initialised, or it is
+    initialised here from the launcher's environment).
+
+    Args:
+        model: a DeepSpeed ``PipelineModule`` or its list of layers / ``LayerSpec``s (tied included).
+        loss_fn: ``loss_fn(output, labels)``; default: the ``PipelineModule``'s.
+        train_data: map-style dataset of ``(inputs, labels)``.
+        val_data: the same for validation; default: the last ``ppq.autotune.val_samples`` of
+            ``train_data`` are held out.
+        config: the DeepSpeed config (dict or JSON path) with its ``"ppq"."autotune"`` section.
+        out_dir: where ``plan.json``, ``report.md`` and ``tune.json`` go (default: the section's).
+
+    Returns:
+        The accepted ``Plan`` (on every rank), or None when no plan passed the checks.
+    """
+    import deepspeed
+
+    from deepspeed_ppq.integrations.deepspeed import _resolve_ds_config
+
+    if train_data is None:
+        raise PPQConfigError("autotune needs train_data: a map-style dataset of (inputs, labels)")
+    ds_config = _resolve_ds_config(None, config, None)
+    ppq = load_ppq_config(ds_config.get("ppq"))
+    settings = ppq.autotune
+    if out_dir is not None:
+        settings = settings.model_copy(update={"out_dir": out_dir})
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    if val_data is None:
+        train_data, val_data = _split_val(train_data, settings.val_samples)
+    runner = DeepSpeedRunner(model, loss_fn, train_data, val_data, ds_config, weights=ppq.weights,
+                             block_layers=block_layers)
+    if len(runner.specs) < 2:
+        raise PPQConfigError(f"the model has {len(runner.specs)} layer(s): a pipeline needs at least 2")
+    result = tune(runner, settings, _global_batch(settings, ds_config))
+    if dist.get_rank() == 0:
+        write_outputs(result, Path(settings.out_dir))
+    dist.barrier()
+    return Plan.from_dict(result["plan"]) if result["plan"] else None
+
+
+# ----------------------------------------------------------------------------------------------
+# `ppq tune script.py ...`: the user's script hands its model to the runner
+# ----------------------------------------------------------------------------------------------
+class _Captured(Exception):
+    def __init__(self, kwargs: dict):
+        super().__init__("captured deepspeed_ppq.initialize")
+        self.kwargs = kwargs
+
+
+_CAPTURE: list[bool] = [False]
+
+
+def capture_initialize(kwargs: dict) -> None:
+    """Called by ``deepspeed_ppq.initialize`` first: under ``ppq tune`` it stops the script there,
+    handing its arguments to the tuner."""
+    if _CAPTURE[0]:
+        raise _Captured(kwargs)
+
+
+def _run_script(script: str, script_args: list[str]) -> dict:
+    path = Path(script).resolve()
+    if not path.is_file():
+        raise SystemExit(f"ppq tune: script {script} does not exist")
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(path), *script_args]
+    sys.path.insert(0, str(path.parent))
+    _CAPTURE[0] = True
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except _Captured as c:
+        return c.kwargs
+    finally:
+        _CAPTURE[0] = False
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    raise SystemExit(f"ppq tune: {script} finished without calling deepspeed_ppq.initialize(...): the tuner "
+                     "takes the model, data and config from that call")
+
+
+def _settings_flags(p: argparse.ArgumentParser) -> list[str]:
+    """``--<field>`` for every scalar or list field of ``ppq.autotune`` (generated from the config)."""
+    from deepspeed_ppq.config import AutotuneConfig
+
+    names = []
+    for name, f in AutotuneConfig.model_fields.items():
+        ann = str(f.annotation)
+        flag = "--" + name.replace("_", "-")
+        if "CodecConfig" in ann:
+            continue
+        if ann.startswith("list") or "list[" in ann:
+            p.add_argument(flag, dest=f"set_{name}", help=f"{f.description or name} (comma-separated)")
+        elif "bool" in ann:
+            p.add_argument(flag, dest=f"set_{name}", choices=["true", "false"], help=f.description)
+        else:
+            p.add_argument(flag, dest=f"set_{name}", help=f.description)
+        names.append(name)
+    return names
+
+
+def _overrides(ns, names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        v = getattr(ns, f"set_{name}", None)
+        if v is None:
+            continue
+        if name in ("micro_batch_sizes", "pipeline_degrees"):
+            v = [int(x) for x in v.split(",")]
+        elif name in ("formats", "schedules"):
+            v = v.split(",")
+        elif v in ("true", "false"):
+            v = v == "true"
+        out[name] = v
+    if getattr(ns, "budget_mb", None) is not None:
+        out["memory_budget"] = int(float(ns.budget_mb) * 2**20)
+    return out
+
+
+def spawn_local(argv: list[str], nproc: int, timeout: float = 3600) -> int:
+    """Run ``python -m deepspeed_ppq.cli <argv>`` on ``nproc`` local gloo ranks; returns the exit code."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(nproc):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("DS_ACCELERATOR", "cpu")
+        procs.append(subprocess.Popen([sys.executable, "-m", "deepspeed_ppq.cli", *argv], env=env))
+    codes = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(124)
+        if codes[-1]:  # one rank failed: the others would wait for it forever
+            for q in procs:
+                if q.poll() is None:
+                    q.kill()
+    from deepspeed_ppq.integrations.shm import release_deepspeed_shm
+
+    release_deepspeed_shm(port, "127.0.0.1")
+    return max(codes, key=abs)
+
+
+def _run(ns) -> int:
+    names = ns.setting_names
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--budget-mb", dest="budget_mb", type=float)
+    own.add_argument("--nproc", type=int, default=2)
+    own.add_argument("--out", dest="out_dir")
+    _settings_flags(own)
+    mine, script_args = own.parse_known_args(ns.rest)
+    for key, value in vars(ns).items():  # tuner flags given before the script
+        if value is not None and getattr(mine, key, None) is None:
+            setattr(mine, key, value)
+    if "RANK" not in os.environ:
+        return spawn_local(["tune", ns.script, *ns.rest], mine.nproc)
+    import deepspeed
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    kw = _run_script(ns.script, script_args)
+    from deepspeed_ppq.integrations.deepspeed import _resolve_ds_config
+
+    ds_config = copy.deepcopy(_resolve_ds_config(kw.get("args"), kw.get("config"), kw.get("config_params")))
+    ppq = dict(ds_config.get("ppq") or {})
+    ppq["autotune"] = {**(ppq.get("autotune") or {}), **_overrides(mine, names)}
+    if mine.out_dir:
+        ppq["autotune"]["out_dir"] = mine.out_dir
+    ppq.pop("plan_file", None)
+    ds_config["ppq"] = ppq
+    model = kw.get("model")
+    plan = autotune(model, None, kw.get("training_data"), None, ds_config)
+    if dist.get_rank() == 0:
+        out = load_ppq_config(ppq).autotune.out_dir
+        print(f"[ppq tune] wrote {out}/plan.json, {out}/report.md and {out}/tune.json"
+              + ("" if plan else " (no plan was accepted)"), flush=True)
+    return 0 if plan is not None else 3
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "tune", help="tune your training script's pipeline: profile, plan, measure, check (the autotuner)",
+        description="Run SCRIPT (your DeepSpeed training script, unmodified) under the tuner: its call to "
+        "deepspeed_ppq.initialize hands the model, data and config (with its ppq.autotune section) to the "
+        "tuner, which writes plan.json and report.md. Apply the plan with \"ppq\": {\"plan_file\": ...}. "
+        "Tuner flags may stand anywhere after SCRIPT; the others go to the script.")
+    p.add_argument("script", help="your training script (it must call deepspeed_ppq.initialize)")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="the script's arguments and the tuner's flags")
+    group = p.add_argument_group("tuner flags (override ppq.autotune)")
+    group.add_argument("--budget-mb", dest="budget_mb", type=float, help="per-stage memory budget in MiB")
+    group.add_argument("--nproc", type=int, default=2, help="local ranks when not under a launcher")
+    group.add_argument("--out", dest="out_dir", help="output folder (plan.json, report.md, tune.json)")
+    names = _settings_flags(group)
+    p.set_defaults(func=_run, setting_names=names)
+

@@ -1,0 +1,113 @@
+"""Carry a tuned plan out in the user's own run: ``"ppq": {"plan_file": "plan.json"}`` or
+``deepspeed_ppq.initialize(..., plan=...)``.
+
+The plan fixes what the tuner measured: stage boundaries, each Linear's weight format (exact rules),
+recomputation per stage, micro-batch size and count, the optimizer kind (fp32 or 8-bit Adam states,
+master-free weights) and the codecs. ``apply_plan`` checks that the plan was made for this model
+(fingerprint) and this world size, rebuilds the pipeline module at the plan's boundaries, rebuilds the
+optimizer with the user's hyper-parameters in the plan's kind, and rewrites the DeepSpeed config's
+batch sizes and ``"ppq"`` section; everything else in the user's config stays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+import torch.distributed as dist
+from deepspeed.pipe import PipelineModule
+
+from deepspeed_ppq.autotune.plan import Plan, PlanError, load_plan
+from deepspeed_ppq.config import PPQConfigError
+
+__all__ = ["apply_plan"]
+
+
+def _hyper(optimizer, ds_config: dict) -> tuple[str, dict]:
+    """The optimizer family (``adam``/``adamw``) and its hyper-parameters, from the optimizer given or
+    the config's ``"optimizer"`` section."""
+    if optimizer is not None:
+        d = optimizer.defaults
+        kind = "adamw" if "adamw" in type(optimizer).__name__.lower() else "adam"
+        return kind, {k: d[k] for k in ("lr", "betas", "eps", "weight_decay") if k in d}
+    sec = ds_config.get("optimizer") or {}
+    kind = "adamw" if "adamw" in str(sec.get("type", "adam")).lower() else "adam"
+    hp = dict(sec.get("params") or {})
+    out = {k: hp[k] for k in ("lr", "eps", "weight_decay") if k in hp}
+    if "betas" in hp:
+        out["betas"] = tuple(hp["betas"])
+    return kind, out
+
+
+def apply_plan(plan: Plan | str, model, optimizer, ds_config: dict, args=None):
+    """Rebuild ``model``, the optimizer and the config to carry ``plan`` out.
+
+    Args:
+        plan: a ``Plan`` or the path of a plan file.
+        model: the user's ``PipelineModule`` (built with any partition).
+        optimizer: the user's optimizer (its hyper-parameters are kept) or None (the config's
+            ``"optimizer"`` section gives them, or Adam's defaults).
+        ds_config: the DeepSpeed config as a dict.
+        args: the launcher's args; a copy without ``deepspeed_config`` is returned, since the config
+            now comes as a dict.
+
+    Returns:
+        ``(model, optimizer, ds_config, args)``.
+
+    Raises:
+        PlanError: the plan is unreadable, for another model or another world size.
+    """
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    from deepspeed_ppq.integrations.autotune import model_fingerprint
+    from deepspeed_ppq.integrations.pipe_module import PPQPipelineModule
+    from deepspeed_ppq.quant import build_optimizer
+
+    source = f"plan file {plan}" if isinstance(plan, str) else "the plan"
+    if isinstance(plan, str):
+        plan = load_plan(plan)
+    if not isinstance(model, PipelineModule):
+        raise PPQConfigError(f"{source} describes pipeline stages: the model must be a PipelineModule, got "
+                             f"{type(model).__name__}")
+    plan.check_model(model_fingerprint(model), source)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != plan.world_size:
+        raise PlanError(f"{source} is for world_size={plan.world_size}; this job has {world} ranks: re-run "
+                        "`ppq tune` with this many ranks")
+    stage = dist.get_rank() // plan.data_parallel if dist.is_initialized() else 0
+    weights = copy.deepcopy(dict((ds_config.get("ppq") or {}).get("weights") or {}))
+    weights = {k: v for k, v in weights.items() if k not in ("format", "rules")}
+    weights.update(plan.ppq_section()["weights"])
+    specs = list(model._layer_specs)
+    checkpointable = sorted({getattr(getattr(s, "typename", None), "__name__", type(s).__name__)
+                             for s in specs[1:]})
+    new = PPQPipelineModule(
+        specs, topology=PipeDataParallelTopology(num_pp=plan.pipeline_degree, num_dp=plan.data_parallel),
+        boundaries=plan.boundaries, loss_fn=model.loss_fn, weights=weights,
+        block_layers=getattr(model, "block_layers", None),
+        seed_layers=model.seed_layers, base_seed=model.base_seed,
+        activation_checkpoint_interval=1 if plan.stages[stage].recompute else 0,
+        checkpointable_layers=checkpointable,
+    )
+    kind, hp = _hyper(optimizer, ds_config)
+    opt = None
+    if optimizer is not None or plan.optimizer_8bit or ds_config.get("optimizer"):
+        params = [p for p in new.parameters() if p.requires_grad]
+        opt = build_optimizer(params, kind + ("8bit" if plan.optimizer_8bit else ""), **hp)
+    cfg = {k: v for k, v in ds_config.items() if k not in ("optimizer", "train_batch_size",
+                                                           "train_micro_batch_size_per_gpu",
+                                                           "gradient_accumulation_steps")}
+    cfg.update(train_batch_size=plan.global_batch, train_micro_batch_size_per_gpu=plan.micro_batch_size,
+               gradient_accumulation_steps=plan.num_microbatches)
+    ppq = {k: v for k, v in (ds_config.get("ppq") or {}).items() if k not in ("plan_file",)}
+    section = plan.ppq_section()
+    ppq.update(activations=section["activations"], gradients=section["gradients"],
+               partition=section["partition"], weights=weights)
+    cfg["ppq"] = ppq
+    if args is not None and getattr(args, "deepspeed_config", None) is not None:
+        args = argparse.Namespace(**{**vars(args), "deepspeed_config": None})
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return new, opt, cfg, args
