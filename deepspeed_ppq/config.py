@@ -35,6 +35,7 @@ __all__ = [
     "AQSGDConfig",
     "PartitionConfig",
     "AutotuneConfig",
+    "parse_bytes",
     "PPQConfig",
     "PPQConfigError",
     "load_ppq_config",
@@ -212,19 +213,68 @@ class PartitionConfig(_Model):
         return self
 
 
-class AutotuneConfig(_Model):
-    """What the autotuner may change and the limits it must respect."""
+_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
-    memory_budget_gb: float | None = Field(None, gt=0, description="per-stage memory budget")
-    val_loss_tolerance: float = Field(0.01, ge=0, description="relative validation-loss slack vs baseline")
-    max_iterations: int = Field(3, ge=1)
-    trial_steps: int = Field(10, ge=1)
-    micro_batch_sizes: list[int] | None = None
-    schedules: list[str] = Field(default_factory=lambda: ["1f1b"])
+
+def parse_bytes(value: int | float | str, field: str = "memory_budget") -> int:
+    """Bytes from an int (bytes) or a string with a unit (``"512MiB"``, ``"24 GiB"``, ``"1e6"``).
+
+    Raises:
+        ValueError: naming ``field``, the value and the units allowed.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{field}={value!r}: give bytes (an int) or a size such as '512MiB'")
+    if isinstance(value, (int, float)):
+        n = float(value)
+    else:
+        text = str(value).strip().lower().replace(" ", "")
+        unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if text.endswith(u)), "")
+        try:
+            n = float(text[: len(text) - len(unit)]) * _UNITS.get(unit, 1)
+        except ValueError:
+            n = -1.0
+        if n < 0 or not text:
+            raise ValueError(
+                f"{field}={value!r} is not a size: give bytes or a number with one of the units "
+                f"{', '.join(('B', 'KiB', 'MiB', 'GiB', 'KB', 'MB', 'GB'))}, e.g. '512MiB'"
+            )
+    if not n > 0:
+        raise ValueError(f"{field}={value!r} must be positive")
+    return int(n)
+
+
+class AutotuneConfig(_Model):
+    """The autotuner's settings: what it may change, the limits it must respect, how long it measures.
+
+    One config for every entry point: the ``"ppq"."autotune"`` section of a DeepSpeed JSON,
+    ``deepspeed_ppq.autotune(..., config)`` and ``ppq tune`` (whose flags are generated from these
+    fields). Memory is in bytes (a string with a unit, ``"512MiB"``, is accepted); reports print MiB.
+    """
+
+    memory_budget: int | None = Field(
+        None, description="per-stage memory budget in bytes (or a size such as '512MiB'); it binds on "
+        "each stage's measured peak; None: unlimited")
+    memory_tolerance: float = Field(
+        0.05, ge=0, le=1, description="a plan's measured per-stage peak may exceed the budget by this "
+        "fraction (the same for the baseline and the tuned plan)")
+    val_loss_tolerance: float = Field(
+        0.01, ge=0, description="relative validation-loss slack of a plan over the baseline's mean")
+    seeds: int = Field(3, ge=1, description="baseline runs (seeds) that measure validation-loss noise")
+    max_iterations: int = Field(3, ge=1, description="plans tried after the baseline before giving up")
+    trial_steps: int = Field(10, ge=2, description="optimizer steps per trial run")
+    warmup_steps: int = Field(2, ge=1, description="trial steps left out of the timing")
+    val_batches: int = Field(4, ge=1, description="validation steps (of the plan's global batch) per trial")
+    val_samples: int = Field(
+        64, ge=1, description="samples held out of the training data for validation when none is given")
+    micro_batch_sizes: list[int] | None = Field(
+        None, description="candidate micro-batch sizes; None: every divisor of the global batch up to 16")
+    schedules: list[Literal["1f1b"]] = Field(
+        default_factory=lambda: ["1f1b"], description="schedules the engine can run (DeepSpeed: 1f1b)")
     allow_recompute: bool = True
     min_gradient_bits: Literal[2, 4, 6, 8] = 8
     min_activation_bits: Literal[2, 4, 6, 8] = 4
-    profile_cache: str | None = None
+    profile_cache: str | None = Field(None, description="JSON file to keep the profile in between runs")
+    profile_reps: int = Field(5, ge=1, description="timed repetitions per layer in the profile")
     formats: list[WeightFormat] = Field(
         default_factory=lambda: [WeightFormat.int8],
         description="low-bit weight formats the planner may use where the precision policy allows",
@@ -245,8 +295,33 @@ class AutotuneConfig(_Model):
     )
     optimizer_8bit: bool = Field(True, description="the planner may choose 8-bit Adam states")
     global_batch: int | None = Field(
-        None, ge=1, description="samples per optimizer step; None: keep the run's"
+        None, ge=1, description="samples per optimizer step; None: the DeepSpeed config's train_batch_size"
     )
+    stock_trials: int = Field(
+        3, ge=1, description="stock DeepSpeed configurations measured (the best predicted that fit)")
+    ab_repeats: int = Field(
+        0, ge=0, description="extra alternating baseline/plan runs after acceptance (timing noise)")
+    out_dir: str = Field("ppq_tune", description="where plan.json, report.md and tune.json go")
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _bytes(cls, v):
+        return None if v is None else parse_bytes(v)
+
+    @field_validator("micro_batch_sizes", "pipeline_degrees")
+    @classmethod
+    def _positive_list(cls, v):
+        if v is not None and (not v or any(x < 1 for x in v)):
+            raise ValueError(f"{v} must be a non-empty list of positive integers, e.g. [1, 2, 4]")
+        return v
+
+    @model_validator(mode="after")
+    def _steps(self) -> AutotuneConfig:
+        if self.warmup_steps >= self.trial_steps:
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps} must be below trial_steps={self.trial_steps}: "
+                "the steps after the warm-up are the ones timed")
+        return self
 
 
 class PPQConfig(_Model):

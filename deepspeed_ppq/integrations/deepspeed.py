@@ -690,7 +690,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                lr_scheduler=None, distributed_port: int = 29500, mpu=None, dist_init_required=None,
                collate_fn=None, config=None, mesh_param=None, config_params=None, *,
                sample_ids: bool | None = None, block_layers=None, recompute_stages=None,
-               recompute_layers=None, requantize: bool = True, overlap_sends: bool = True):
+               recompute_layers=None, requantize: bool = True, overlap_sends: bool = True, plan=None):
     """Drop-in for ``deepspeed.initialize`` that honours the config's top-level ``"ppq"`` section.
 
     Before DeepSpeed sees the model: ``ppq.weights`` converts its ``nn.Linear`` layers (skipped when the
@@ -712,6 +712,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         recompute_layers: one bool per global layer instead.
         requantize: wire the re-quantization hook (set False if you call ``requantize_after_step`` yourself).
         overlap_sends: compressed payloads go out with a non-blocking send (``PPQPipelineEngine``).
+        plan: a tuned ``Plan`` (or plan file path) to carry out, as the config's ``ppq.plan_file``
+            (``integrations.plan_apply``): the model is rebuilt at its boundaries and formats, the
+            optimizer in its kind, the batch sizes and codecs set from it.
 
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)`` as ``deepspeed.initialize``; for a
@@ -721,6 +724,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         PPQConfigError: a bad ``"ppq"`` section, explicit boundaries the module was not built with,
             AQ-SGD without sample indices, or an optimizer built before ``ppq.weights`` replaced layers.
     """
+    from deepspeed_ppq.integrations.autotune import capture_initialize
+
+    capture_initialize(dict(args=args, model=model, optimizer=optimizer, training_data=training_data,
+                            config=config, config_params=config_params))  # under `ppq tune`: stop here
     from deepspeed_ppq.integrations.shm import release_at_exit
 
     release_at_exit()  # DeepSpeed's CPU backend never unlinks its /dev/shm all-reduce buffers
@@ -729,6 +736,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     ds_config = _resolve_ds_config(args, config, config_params)
     ppq = load_ppq_config(ds_config.get("ppq"))
+    if plan is not None or ppq.plan_file:
+        from deepspeed_ppq.integrations.plan_apply import apply_plan
+
+        model, optimizer, ds_config, args = apply_plan(plan if plan is not None else ppq.plan_file, model,
+                                                       optimizer, ds_config, args)
+        config = ds_config
+        ppq = load_ppq_config(ds_config.get("ppq"))
     if model is not None:
         _prepare_model(model, ppq, ds_config, optimizer, model_parameters, block_layers, recompute_stages,
                        recompute_layers)
