@@ -280,8 +280,8 @@ class AutotuneConfig(_Model):
         description="low-bit weight formats the planner may use where the precision policy allows",
     )
     master_free: bool = Field(
-        False, description="the planner may choose weights.master='none' for 8-bit formats"
-    )
+        True, description="the planner may choose weights.master='none' for 8-bit formats (low-bit "
+        "weights with an fp32 master hold more, not less, than training-dtype weights)")
     activation_codecs: list[CodecConfig] = Field(
         default_factory=lambda: [CodecConfig()],
         description="candidate activation codecs (bits >= the minimum)",

@@ -5,7 +5,13 @@ Run with the ``deepspeed`` launcher (add ``DS_ACCELERATOR=cpu`` on a machine wit
     deepspeed --num_gpus 2 examples/train_gpt_pipe.py --deepspeed_config configs/ds_cpu_smoke.json
 
 The ``"ppq"`` section of the config picks the codecs and the stage boundaries; the script prints the
-loss per step (DeepSpeed's ``steps_per_print``) and, at the end, the bytes each boundary carried.
+loss per step (DeepSpeed's ``steps_per_print``) and, at the end, the median step time and the bytes
+each boundary carried.
+
+Tune it for your memory budget, then train with the plan::
+
+    ppq tune examples/train_gpt_pipe.py --deepspeed_config configs/ds_cpu_smoke.json --budget-mb 24
+    # add "plan_file": "ppq_tune/plan.json" to the config's "ppq" section, then run as above
 ``--data synthetic`` uses random tokens instead of the stdlib-text corpus (no tokenizer training).
 """
 
@@ -13,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 
 import deepspeed
 import torch
@@ -80,8 +88,14 @@ def main() -> None:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     engine, _, _, _ = deepspeed_ppq.initialize(args=args, model=model, optimizer=optimizer,
                                                training_data=train)
+    times = []
     for _ in range(args.steps):
+        t0 = time.perf_counter()
         engine.train_batch()
+        times.append(time.perf_counter() - t0)
+    if dist.get_rank() == 0 and len(times) > 2:
+        print(f"step time: median {statistics.median(times[2:]) * 1e3:.1f} ms over {len(times) - 2} steps "
+              "(after 2 warm-up steps)", flush=True)
     stats = engine.ppq_stats(all_stages=True)
     if dist.get_rank() == 0:
         for (b, d), s in sorted(stats.items()):

@@ -158,54 +158,65 @@ def fit_link_and_slots(problem: PlanningProblem, runs: list[tuple[Plan, dict]]) 
     return c
 
 
-def predict(problem: PlanningProblem, plan: Plan) -> dict:
-    """The (calibrated) model's step time and bubble for an existing plan."""
-    from deepspeed_ppq.autotune.planner import StageChoice, evaluate_stages
+def _knobs_stages(problem: PlanningProblem, plan: Plan):
+    from deepspeed_ppq.autotune.planner import StageChoice
 
     def codec(cands, cfg):
         return next((c for c in cands if c.as_dict == cfg), None) or CodecOption.make(cfg)
 
-    k = Knobs(
-        plan.pipeline_degree,
-        plan.micro_batch_size,
-        plan.num_microbatches,
-        plan.schedule,
-        codec(problem.activation_codecs, plan.activation_codec),
-        codec(problem.gradient_codecs, plan.gradient_codec),
-        plan.optimizer_8bit,
-        plan.master_free,
-    )
+    k = Knobs(plan.pipeline_degree, plan.micro_batch_size, plan.num_microbatches, plan.schedule,
+              codec(problem.activation_codecs, plan.activation_codec),
+              codec(problem.gradient_codecs, plan.gradient_codec), plan.optimizer_8bit, plan.master_free)
     levels = []
     for sp in plan.stages:
         low = sorted({f for f in sp.formats if f != "none"})
         levels.append(low[0] if len(low) == 1 else "none")
-    stages = [StageChoice(*sp.layers, lv, sp.recompute) for sp, lv in zip(plan.stages, levels)]
+    return k, [StageChoice(*sp.layers, lv, sp.recompute) for sp, lv in zip(plan.stages, levels)]
+
+
+def predict(problem: PlanningProblem, plan: Plan) -> dict:
+    """The (calibrated) model's step time, bubble and per-stage memory for an existing plan."""
+    from deepspeed_ppq.autotune.planner import evaluate_stages
+
+    k, stages = _knobs_stages(problem, plan)
     ev = evaluate_stages(problem, k, stages)
-    return {"step_time": ev["step_time"], "bubble_fraction": ev["bubble_fraction"]}
+    return {"step_time": ev["step_time"], "bubble_fraction": ev["bubble_fraction"], "memory": ev["memory"]}
 
 
 def calibrate_memory(problem: PlanningProblem, runs: list[tuple[Plan, dict]]) -> dict:
-    """Raise ``problem.step_transient_bytes_per_param`` to cover every measured stage (in place).
+    """Refit the memory model to measured stages (in place on ``problem``); it only ever grows.
 
-    For each stage: the measured peak minus what the model predicts without the step transient
-    (static + pipe buffers + activations) is what the transient must at least be; divided by the
-    stage's trainable parameters that is a bytes-per-parameter figure. The largest one over all
-    stages, if above the current value, replaces it.
+    Trials measure each stage's peak in two phases: the pipeline (forward, backward, sends: the
+    activations) and the step (gradient reduce and optimizer: the step transient).
+
+    1. ``activation_scale``: the largest ratio, over stages without recomputation, of the measured
+       pipeline-phase activations to the predicted activations + pipe buffers (the engine keeps
+       clones of received activations, outputs until sent, ...), at least the current value.
+    2. ``step_transient_bytes_per_param``: the measured step-phase peak minus the static bytes
+       (weights, masters, gradients, optimizer states) and the pipe buffers, per trainable parameter
+       of the stage: the largest such figure, at least the current value.
 
     Returns:
-        ``{"step_transient_bytes_per_param", "before", "points": [[stage params, needed bytes], ...]}``.
+        ``{"activation_scale", "step_transient_bytes_per_param", "before": {...}}``.
     """
-    before = problem.step_transient_bytes_per_param
-    need, points = before, []
+    before = {"activation_scale": problem.activation_scale,
+              "step_transient_bytes_per_param": problem.step_transient_bytes_per_param}
+    scale, need = problem.activation_scale, problem.step_transient_bytes_per_param
+    saved = problem.activation_scale
+    problem.activation_scale = 1.0
     for plan, run in runs:
-        for sp, st in zip(plan.stages, run["stages"]):
-            measured = st["measured_memory"].get("total", 0)
-            pred = dict(sp.memory)
-            without = sum(v for k, v in pred.items() if k != "temporaries")
+        for sp, pred, st in zip(plan.stages, predict(problem, plan)["memory"], run["stages"]):
+            phases = st["measured_memory"].get("phases") or {"pipeline": st["measured_memory"]}
+            held = pred["activations"] + pred["buffers"]
+            pipe = phases.get("pipeline")
+            if pipe and held > 0 and not sp.recompute:
+                scale = max(scale, pipe.get("activations", 0) / held)
+            step = phases.get("step")
             params = sum(layer.params for layer in problem.layers[sp.layers[0] : sp.layers[1]])
-            gap = measured - (without - pred.get("activations", 0))  # what the larger branch must be
-            if params > 0 and measured > sum(pred.values()):
-                points.append([params, gap])
-                need = max(need, gap / params)
+            if step and params > 0:
+                fixed = sum(pred[k] for k in ("weights", "master", "gradients", "optimizer"))
+                need = max(need, (step["total"] - fixed - pred["buffers"] * saved) / params)
+    problem.activation_scale = scale if scale > 0 else saved
     problem.step_transient_bytes_per_param = need
-    return {"step_transient_bytes_per_param": need, "before": before, "points": points}
+    return {"activation_scale": problem.activation_scale, "step_transient_bytes_per_param": need,
+            "before": before}

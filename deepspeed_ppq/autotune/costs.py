@@ -83,6 +83,9 @@ class LayerProfile:
         input_bytes: bytes of the tensor entering the layer, per sample.
         output_bytes: bytes of the tensor leaving the layer, per sample.
         quant_error: format -> relative weight error ``||W - Q(W)|| / ||W||`` (sensitivity).
+        peak_bytes: format -> the peak of activation and temporary bytes while the layer runs forward
+            and backward alone, per sample (saved tensors, output, backward temporaries); missing: taken
+            as ``saved_bytes``.
     """
 
     name: str
@@ -96,6 +99,15 @@ class LayerProfile:
     input_bytes: int
     output_bytes: int
     quant_error: dict[str, float] = field(default_factory=dict)
+    peak_bytes: dict[str, int] = field(default_factory=dict)
+
+    def transient_bytes(self, fmt: str, recompute: bool) -> int:
+        """Bytes per sample this layer needs on top of what the stage keeps for it while its backward
+        runs: a checkpointed layer rebuilds all of its activations (its peak); any other layer needs
+        its peak beyond its saved tensors."""
+        saved = self.saved_bytes[fmt]
+        peak = self.peak_bytes.get(fmt, saved)
+        return peak if recompute and self.recomputable else max(0, peak - saved)
 
     @property
     def params(self) -> int:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 _OPT = _MemRefType.OPT
@@ -100,6 +101,34 @@ class StageMemTracker(MemTracker):
     def __init__(self) -> None:
         super().__init__()
         self._registered: weakref.WeakSet = weakref.WeakSet()
+        self._phase: str | None = None
+        self._phase_peaks: dict[str, dict[str, int]] = {}
+
+    def enter_phase(self, name: str) -> None:
+        """Close the current phase (its peak is kept, the largest over all its visits) and start
+        ``name``: the peak restarts from what is allocated now. The runner marks the pipeline phase
+        (forward, backward, sends) and the step phase (gradient reduce, optimizer step), whose peaks
+        the memory model predicts separately."""
+        if name == self._phase:
+            return
+        if self._phase is not None:
+            done = self._snapshot("peak")
+            old = self._phase_peaks.get(self._phase)
+            if old is None or done["total"] > old["total"]:
+                self._phase_peaks[self._phase] = done
+        self._phase = name
+        cur = self.get_tracker_snapshot("current")
+        self._peak_mem_snap = cur
+        self._peak_mem = {dev: snap[_TOTAL] for dev, snap in cur.items()}
+
+    def phase_peaks(self) -> dict[str, dict[str, int]]:
+        """Peak by category of each phase (``enter_phase``), the open one included."""
+        out = dict(self._phase_peaks)
+        if self._phase is not None:
+            cur = self._snapshot("peak")
+            if self._phase not in out or cur["total"] > out[self._phase]["total"]:
+                out[self._phase] = cur
+        return out
 
     def track_external(self, *external) -> None:
         """As ``MemTracker.track_external``; an optimizer also gets step hooks of its own that mark its
@@ -145,8 +174,11 @@ class StageMemTracker(MemTracker):
         return out
 
     def peak(self) -> dict[str, int]:
-        """Bytes by category at the moment of the largest total, plus ``"total"``."""
-        return self._snapshot("peak")
+        """Bytes by category at the moment of the largest total, plus ``"total"`` (over all phases)."""
+        phases = self.phase_peaks()
+        if not phases:
+            return self._snapshot("peak")
+        return dict(max(phases.values(), key=lambda snap: snap["total"]))
 
     def current(self) -> dict[str, int]:
         return self._snapshot("current")

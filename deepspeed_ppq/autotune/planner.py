@@ -98,6 +98,8 @@ class PlanningProblem:
             optimizer step (a flattened gradient buffer, the optimizer's temporaries), when the
             activations are gone and the pipe buffers stay: a stage's peak is its static bytes plus
             its pipe buffers plus the larger of its activations and this transient.
+        activation_scale: measured over profiled activation and pipe-buffer bytes (the engine keeps
+            copies of received activations, outputs until they are sent, ...); calibrated.
     """
 
     layers: list[LayerProfile]
@@ -117,6 +119,7 @@ class PlanningProblem:
     optimizer_cost_ratio: dict[str, float] = field(default_factory=dict)
     microbatch_overhead_s: float = 0.0
     step_transient_bytes_per_param: float = 0.0
+    activation_scale: float = 1.0
 
     def levels(self) -> list[str]:
         """Precision levels a stage can run at: ``none`` and every format some layer allows."""
@@ -207,14 +210,17 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
         for cat, v in layer.static_bytes(layer.format_for(c.level), k.optimizer_8bit, k.master_free).items():
             mem[cat] += v
     saved = [layer.saved_bytes[layer.format_for(c.level)] * b for layer in layers]
-    if c.recompute:  # checkpointed layers keep their input, and one of them its full activations
+    # one layer at a time runs its backward: the largest transient of the stage's layers on top
+    transient = max(b * layer.transient_bytes(layer.format_for(c.level), c.recompute) for layer in layers)
+    if c.recompute:  # checkpointed layers keep only their input
         kept = [b * layer.input_bytes if layer.recomputable else x for layer, x in zip(layers, saved)]
-        transient = [x for layer, x in zip(layers, saved) if layer.recomputable]
-        mem["activations"] = n_act * sum(kept) + max(transient, default=0)
+        mem["activations"] = n_act * sum(kept) + transient
     else:
-        mem["activations"] = n_act * sum(saved)
+        mem["activations"] = n_act * sum(saved) + transient
     grad_buf = layers[-1].output_bytes if c.last < len(prob.layers) else 0
     mem["buffers"] = n_buf * b * (layers[0].input_bytes + layers[-1].output_bytes) + b * grad_buf
+    mem["activations"] = int(mem["activations"] * prob.activation_scale)
+    mem["buffers"] = int(mem["buffers"] * prob.activation_scale)
     transient = prob.step_transient_bytes_per_param * sum(layer.params for layer in layers)
     mem["temporaries"] = int(max(0.0, transient - mem["activations"]))
     return mem
@@ -315,24 +321,24 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
             sum(layer.static_bytes(f, optimizer_8bit, master_free).values()) for layer, f in zip(layers, fmts)
         ]
         saved = np.array([layer.saved_bytes[f] * b for layer, f in zip(layers, fmts)], dtype=float)
+        trans = {r: np.array([layer.transient_bytes(f, r) * b for layer, f in zip(layers, fmts)], dtype=float)
+                 for r in (False, True)}
         per_level[level] = (
             _seg(_prefix(tm[:, 0])),
             _seg(_prefix(np.where(rc, tm[:, 0], 0.0))),
             _seg(_prefix(tm[:, 1] + tm[:, 2])),
             _seg(_prefix(stat)),
             saved,
+            trans,
         )
     for o, (level, rec) in enumerate(options):
-        fwd, fwd_rc, bwd, stat, saved = per_level[level]
+        fwd, fwd_rc, bwd, stat, saved, trans = per_level[level]
         t_opt[o] = fwd + (fwd_rc if rec else 0.0) + bwd
         static_opt[o] = stat
-        if rec:  # checkpointed layers keep their input, and one of them its full activations
-            act_opt[o] = _seg(_prefix(np.where(rc, in_b * b, saved)))
-            transient = np.where(rc, saved, 0.0)
-            for i in range(L):
-                transient_opt[o, i, i + 1 :] = np.maximum.accumulate(transient[i:])
-        else:
-            act_opt[o] = _seg(_prefix(saved))
+        # checkpointed layers keep only their input; the largest backward transient comes on top
+        act_opt[o] = _seg(_prefix(np.where(rc, in_b * b, saved) if rec else saved))
+        for i in range(L):
+            transient_opt[o, i, i + 1 :] = np.maximum.accumulate(trans[rec][i:])
     return options, t_opt, static_opt, act_opt, transient_opt
 
 
@@ -371,8 +377,9 @@ def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) 
             continue
         done[held] = s
         n_act, n_buf = held
-        act = n_act * act_opt + transient_opt
-        mem = static_opt + np.maximum(act, step_transient) + (n_buf * buf_per + grad_buf)  # [O, N, N]
+        act = (n_act * act_opt + transient_opt) * prob.activation_scale
+        bufs = (n_buf * buf_per + grad_buf) * prob.activation_scale
+        mem = static_opt + np.maximum(act, step_transient) + bufs  # [O, N, N]
         mem = np.where(valid, mem, _INF)
         min_mem[s] = mem.min(axis=0)
         t_fit = np.where(mem <= budget, t_opt, _INF)

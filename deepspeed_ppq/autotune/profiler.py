@@ -121,6 +121,30 @@ def _saved_bytes(layer: nn.Module, x: torch.Tensor, loss_fn=None, labels=None) -
     return sum(seen.values())
 
 
+def _peak_bytes(layer: nn.Module, x: torch.Tensor, loss_fn=None, labels=None) -> int:
+    """Peak activation + temporary bytes while ``layer`` runs forward and backward alone (its input
+    and the incoming gradient excluded: the stage's pipe buffers hold those), measured by the same
+    tracker the trials use."""
+    from deepspeed_ppq.autotune.memory import StageMemTracker
+
+    xin = x.detach().requires_grad_(x.is_floating_point())
+    with torch.no_grad():
+        probe = layer(xin)
+    grad_out = None if loss_fn is not None else torch.randn_like(probe)
+    del probe
+    tracker = StageMemTracker()
+    tracker.track_external(layer, xin, *([] if grad_out is None else [grad_out]))
+    with tracker:
+        out = layer(xin)
+        if loss_fn is not None:
+            out = loss_fn(out, labels)
+        out.backward(grad_out)
+        del out
+    layer.zero_grad(set_to_none=True)
+    peak = tracker.peak()
+    return peak["activations"] + peak["temporaries"]
+
+
 def _layer_times(layer, x, loss_fn, labels, device, reps, warmup) -> tuple[list[float], torch.Tensor]:
     """[forward, backward_input, backward_weight] seconds and the layer's output."""
     needs_input_grad = x.is_floating_point()
@@ -197,7 +221,7 @@ def profile_layers(
     decisions = {f: _decisions(layers, kinds, weights_cfg, f) for f in formats}
     profiles: list[LayerProfile] = []
     per_layer: list[dict] = [
-        {"times": {}, "weight_bytes": {}, "saved_bytes": {}, "quant_error": {}, "nq": 0} for _ in layers
+        {"times": {}, "weight_bytes": {}, "saved_bytes": {}, "peak_bytes": {}, "quant_error": {}, "nq": 0} for _ in layers
     ]
     allowed = [
         [f for f in formats if any(n.startswith(f"{i}.") and v != "none" for n, v in decisions[f].items())]
@@ -223,6 +247,7 @@ def profile_layers(
                 if b == micro_batch_sizes[0]:
                     xin = x.detach().requires_grad_(x.is_floating_point())
                     rec["saved_bytes"][fmt] = _saved_bytes(mod, xin, loss_fn if last else None, labels) // b
+                    rec["peak_bytes"][fmt] = _peak_bytes(mod, x, loss_fn if last else None, labels) // b
                     led = measure_storage(mod).groups()
                     rec["weight_bytes"][fmt] = led.get("weights", 0) + led.get("buffers", 0)
                     rec["quant_error"][fmt] = err
@@ -245,6 +270,7 @@ def profile_layers(
                 input_bytes=io_bytes[i][0],
                 output_bytes=io_bytes[i][1],
                 quant_error=rec["quant_error"],
+                peak_bytes=rec["peak_bytes"],
             )
         )
     return profiles
@@ -372,8 +398,8 @@ def measure_link(
 # ----------------------------------------------------------------------------------------------
 # Cache
 # ----------------------------------------------------------------------------------------------
-# What a cache file holds; bump when that changes (3: a whole ``runner.Profile`` under "profile").
-PROFILE_FORMAT = 3
+# What a cache file holds; bump when that changes (4: a whole ``runner.Profile`` under "profile", with peak_bytes).
+PROFILE_FORMAT = 4
 
 
 def profile_key(layers: Sequence[nn.Module], **settings) -> str:

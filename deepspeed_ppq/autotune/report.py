@@ -79,7 +79,9 @@ def format_report(result: dict) -> str:
                      f"configuration ({t_base * 1e3:.1f} -> {t_tuned * 1e3:.1f} ms per step, medians of "
                      f"{len(ab['baseline'])} and {len(ab['tuned'])} runs).")
     else:
-        lines.append("**No plan was accepted**; the best stock configuration stands (see the iterations).")
+        lines.append("**No plan passed the checks** (see the iterations).")
+    if result.get("outcome") == "baseline":
+        lines += ["", "plan.json holds the best stock configuration: no tuned plan ran faster."]
     g = result["gate"]
     lines += ["", f"Quality gate: baseline validation loss {g.get('mean', 0):.4f} over "
               f"{len(g.get('losses', []))} seed(s), spread {g.get('spread', 0):.4f}, limit "
@@ -105,8 +107,9 @@ def format_report(result: dict) -> str:
               f"- layer times x{cal['time']['time_scale']:.3f}, engine "
               f"{cal['time']['fixed_per_microbatch_s'] * 1e3:.2f} ms per stage and micro-batch, link latency "
               f"{cal['time']['link_latency_s'] * 1e6:.0f} us",
-              f"- step transient {cal['memory']['step_transient_bytes_per_param']:.2f} B per parameter "
-              f"(prior {cal['memory']['before']:.2f})", "", "## Log", ""]
+              f"- activations x{cal['memory']['activation_scale']:.3f} over the profile, step transient "
+              f"{cal['memory']['step_transient_bytes_per_param']:.2f} B per parameter (before: "
+              f"{cal['memory']['before']})", "", "## Log", ""]
     lines += [f"- {m}" for m in result["log"]]
     return "\n".join(lines) + "\n"
 
@@ -123,6 +126,5 @@ def write_outputs(result: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     _write(out_dir / "tune.json", json.dumps(result, indent=1, default=str))
     _write(out_dir / "baseline_plan.json", json.dumps(result["baseline"]["plan"], indent=2))
-    if result["plan"] is not None:
-        _write(out_dir / "plan.json", json.dumps(result["plan"], indent=2) + "\n")
+    _write(out_dir / "plan.json", json.dumps(result["plan"], indent=2) + "\n")
     _write(out_dir / "report.md", format_report(result))

@@ -12,7 +12,7 @@
 * ``model_fingerprint(layers)``: what a plan records of the model it was made for.
 * ``ppq tune script.py [script args] [--budget-mb N ...]``: runs the user's unmodified training script
   on local ranks (or under a launcher); its call to ``deepspeed_ppq.initialize`` hands the model, data
-  and config to the runner instead of training (``capture_initialize``).
+  and config to the runner instead of training (``integrations.capture``).
 
 Each trial starts from the same initial weights: ``LayerSpec`` layers are built with DeepSpeed's
 per-layer seeds (``seed_layers``, ``base_seed`` + the seed of the trial), modules given as objects are
@@ -45,11 +45,13 @@ from deepspeed_ppq.autotune.plan import Plan
 from deepspeed_ppq.autotune.report import write_outputs
 from deepspeed_ppq.autotune.runner import Profile, StageMeasurement, TrialResult
 from deepspeed_ppq.config import PPQConfigError, WeightsConfig, load_ppq_config
+from deepspeed_ppq.integrations.capture import Captured, capturing
 from deepspeed_ppq.integrations.stage import infer_block_layers
 
-__all__ = ["DeepSpeedRunner", "autotune", "model_fingerprint", "layer_specs", "capture_initialize",
-           "add_parser", "spawn_local"]
+__all__ = ["DeepSpeedRunner", "autotune", "model_fingerprint", "layer_specs", "add_parser", "spawn_local"]
 
+# the engine instructions of the step phase (memory is measured per phase)
+_STEP_INSTRUCTIONS = ("ReduceGrads", "ReduceTiedGrads", "OptimizerStep")
 # DeepSpeed's engine flattens the gradients into one buffer for its data-parallel reduce (even with
 # one replica): about one fp32 gradient per parameter. A prior; the loop refits it from measurements.
 _DS_STEP_TRANSIENT = 4.0
@@ -264,26 +266,14 @@ class DeepSpeedRunner:
         return [copy.deepcopy(s) if isinstance(s, nn.Module) else s for s in self._pristine]
 
     def run_trial(self, plan: Plan, settings, seed: int = 0) -> TrialResult:
-        from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
-
         import deepspeed_ppq
-        from deepspeed_ppq.integrations.pipe_module import PPQPipelineModule
+        from deepspeed_ppq.integrations.plan_apply import plan_module
 
         rank, world = self.rank, self.world_size
-        stage = rank // plan.data_parallel
-        replica = rank % plan.data_parallel
+        stage, replica = divmod(rank, plan.data_parallel)
         torch.manual_seed(1234 + seed)
-        weights = {**self.weights.model_dump(mode="json", exclude={"format", "rules"}),
-                   **plan.ppq_section()["weights"]}
-        module = PPQPipelineModule(
-            self._trial_specs(),
-            topology=PipeDataParallelTopology(num_pp=plan.pipeline_degree, num_dp=plan.data_parallel),
-            boundaries=plan.boundaries, loss_fn=self.loss_fn, weights=weights,
-            block_layers=self.block_layers, seed_layers=True, base_seed=1234 + seed,
-            activation_checkpoint_interval=1 if plan.stages[stage].recompute else 0,
-            checkpointable_layers=sorted({_name(s).split("[")[0] for s, k in zip(self.specs, self.kinds)
-                                          if k != "embed"}),
-        )
+        module = plan_module(plan, self._trial_specs(), self.loss_fn, self.weights.model_dump(mode="json"),
+                             self.block_layers, seed_layers=True, base_seed=1234 + seed)
         optimizer = self._optimizer([p for p in module.parameters() if p.requires_grad], plan.optimizer_8bit)
         section = plan.ppq_section()
         ds_cfg = {k: v for k, v in self.ds_config.items() if k not in ("optimizer", "ppq", "scheduler")}
@@ -293,9 +283,14 @@ class DeepSpeedRunner:
         engine, _, _, _ = deepspeed_ppq.initialize(model=module, optimizer=optimizer, config=ds_cfg)
         instr: dict[str, float] = {}
         timing = [False]
+        tracker = StageMemTracker()
 
         def timed(name, fn):
+            phase = "step" if name in _STEP_INSTRUCTIONS else "pipeline"
+
             def run(self_, *a, **k):
+                if tracker._depth:
+                    tracker.enter_phase(phase)
                 t0 = time.perf_counter()
                 try:
                     return fn(self_, *a, **k)
@@ -322,13 +317,14 @@ class DeepSpeedRunner:
             timing[0] = k >= settings.warmup_steps
             step(k)
         timing[0] = False
-        # memory: two more steps under the tracker (it slows every op, so it times nothing)
-        tracker = StageMemTracker()
+        # memory: two more steps under the tracker (it slows every op, so it times nothing), its peak
+        # kept apart for the pipeline (forward, backward, sends) and the step (reduce, optimizer)
         tracker.track_external(module, optimizer, *_engine_tensors(engine))
         with tracker:
             for k in range(settings.trial_steps, settings.trial_steps + 2):
                 step(k)
         memory = tracker.peak()
+        memory["phases"] = tracker.phase_peaks()
         times = times[: settings.trial_steps]
         val_order = list(range(len(self.val_data)))
         losses = []
@@ -349,7 +345,7 @@ class DeepSpeedRunner:
         stages = []
         for s in range(plan.pipeline_degree):
             rs = [r for r in gathered if r["stage"] == s]
-            mem = {k: max(r["memory"][k] for r in rs) for k in rs[0]["memory"]}
+            mem = dict(max((r["memory"] for r in rs), key=lambda m: m["total"]))
             dmax = [r["device_max"] for r in rs if r["device_max"] is not None]
             stages.append(StageMeasurement(s, rs[0]["instructions"], mem, max(dmax) if dmax else None))
         step_times = [max(r["times"][k] for r in gathered) for k in range(len(times))]
@@ -416,7 +412,8 @@ def autotune(model, loss_fn=None, train_data=None, val_data=None, config=None, *
         out_dir: where ``plan.json``, ``report.md`` and ``tune.json`` go (default: the section's).
 
     Returns:
-        The accepted ``Plan`` (on every rank), or None when no plan passed the checks.
+        The plan to train with (on every rank): the tuned plan if it passed the memory and quality
+        checks and ran faster than the best stock configuration, else that stock configuration.
     """
     import deepspeed
 
@@ -441,28 +438,12 @@ def autotune(model, loss_fn=None, train_data=None, val_data=None, config=None, *
     if dist.get_rank() == 0:
         write_outputs(result, Path(settings.out_dir))
     dist.barrier()
-    return Plan.from_dict(result["plan"]) if result["plan"] else None
+    return Plan.from_dict(result["plan"])
 
 
 # ----------------------------------------------------------------------------------------------
 # `ppq tune script.py ...`: the user's script hands its model to the runner
 # ----------------------------------------------------------------------------------------------
-class _Captured(Exception):
-    def __init__(self, kwargs: dict):
-        super().__init__("captured deepspeed_ppq.initialize")
-        self.kwargs = kwargs
-
-
-_CAPTURE: list[bool] = [False]
-
-
-def capture_initialize(kwargs: dict) -> None:
-    """Called by ``deepspeed_ppq.initialize`` first: under ``ppq tune`` it stops the script there,
-    handing its arguments to the tuner."""
-    if _CAPTURE[0]:
-        raise _Captured(kwargs)
-
-
 def _run_script(script: str, script_args: list[str]) -> dict:
     path = Path(script).resolve()
     if not path.is_file():
@@ -470,13 +451,12 @@ def _run_script(script: str, script_args: list[str]) -> dict:
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(path), *script_args]
     sys.path.insert(0, str(path.parent))
-    _CAPTURE[0] = True
     try:
-        runpy.run_path(str(path), run_name="__main__")
-    except _Captured as c:
+        with capturing():
+            runpy.run_path(str(path), run_name="__main__")
+    except Captured as c:
         return c.kwargs
     finally:
-        _CAPTURE[0] = False
         sys.argv, sys.path[:] = saved_argv, saved_path
     raise SystemExit(f"ppq tune: {script} finished without calling deepspeed_ppq.initialize(...): the tuner "
                      "takes the model, data and config from that call")
@@ -580,12 +560,21 @@ def _run(ns) -> int:
     ppq.pop("plan_file", None)
     ds_config["ppq"] = ppq
     model = kw.get("model")
-    plan = autotune(model, None, kw.get("training_data"), None, ds_config)
+    from deepspeed_ppq.autotune.loop import TuningError
+    from deepspeed_ppq.autotune.plan import PlanError
+    from deepspeed_ppq.autotune.planner import InfeasibleBudgetError
+
+    try:
+        plan = autotune(model, None, kw.get("training_data"), None, ds_config)
+    except (PPQConfigError, PlanError, InfeasibleBudgetError, TuningError) as e:
+        if dist.get_rank() == 0:
+            print(f"ppq tune: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 2
     if dist.get_rank() == 0:
         out = load_ppq_config(ppq).autotune.out_dir
-        print(f"[ppq tune] wrote {out}/plan.json, {out}/report.md and {out}/tune.json"
-              + ("" if plan else " (no plan was accepted)"), flush=True)
-    return 0 if plan is not None else 3
+        print(f"[ppq tune] wrote {out}/plan.json ({plan.notes[0] if plan.notes else 'plan'}), "
+              f"{out}/report.md and {out}/tune.json", flush=True)
+    return 0
 
 
 def add_parser(sub) -> None:

@@ -724,7 +724,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         PPQConfigError: a bad ``"ppq"`` section, explicit boundaries the module was not built with,
             AQ-SGD without sample indices, or an optimizer built before ``ppq.weights`` replaced layers.
     """
-    from deepspeed_ppq.integrations.autotune import capture_initialize
+    from deepspeed_ppq.integrations.capture import capture_initialize
 
     capture_initialize(dict(args=args, model=model, optimizer=optimizer, training_data=training_data,
                             config=config, config_params=config_params))  # under `ppq tune`: stop here

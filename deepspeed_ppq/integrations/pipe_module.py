@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from deepspeed.pipe import PipelineModule
 
 from deepspeed_ppq.config import PPQConfig, PPQConfigError, WeightsConfig, load_ppq_config
+from deepspeed_ppq.integrations.capture import is_capturing
 from deepspeed_ppq.integrations.stage import (
     apply_recompute,
     apply_weights,
@@ -108,7 +109,8 @@ class PPQPipelineModule(PipelineModule):
         self.block_layers = list(block_layers) if block_layers is not None else infer_block_layers(
             self._layer_specs)
         self.ppq_weights = weights
-        self.ppq_quantized = apply_weights(self, weights, self.block_layers)
+        # under `ppq tune` the layers stay as given: the tuner decides their formats
+        self.ppq_quantized = [] if is_capturing() else apply_weights(self, weights, self.block_layers)
         flags = recompute_flags(len(self._layer_specs), self.parts, recompute_stages=recompute_stages,
                                 recompute_layers=recompute_layers, block_layers=self.block_layers)
         self.ppq_recomputed = apply_recompute(self, flags)
@@ -118,6 +120,16 @@ class PPQPipelineModule(PipelineModule):
         """Build with the partition and weights of a ``"ppq"`` config (or a whole DeepSpeed config
         containing one); ``kwargs`` as ``__init__`` (``block_layers``, ``recompute_stages``, ...)."""
         cfg = load_ppq_config(config)
+        if cfg.plan_file and not is_capturing():  # build this stage as the tuned plan says
+            from deepspeed_ppq.autotune.plan import load_plan
+            from deepspeed_ppq.integrations.autotune import model_fingerprint
+            from deepspeed_ppq.integrations.plan_apply import plan_module
+
+            plan = load_plan(cfg.plan_file)
+            plan.check_model(model_fingerprint(list(layers)), f"plan file {cfg.plan_file}")
+            kwargs.pop("recompute_stages", None)
+            return plan_module(plan, list(layers), kwargs.pop("loss_fn", None), cfg.weights.model_dump(mode="json"),
+                               kwargs.pop("block_layers", None), **kwargs)
         part = cfg.partition
         kwargs.setdefault("weights", cfg.weights)
         return cls(layers, num_stages, boundaries=part.boundaries, partition_method=part.method, **kwargs)

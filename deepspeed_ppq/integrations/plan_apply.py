@@ -12,16 +12,48 @@ batch sizes and ``"ppq"`` section; everything else in the user's config stays.
 from __future__ import annotations
 
 import argparse
-import copy
 
-import torch
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 
 from deepspeed_ppq.autotune.plan import Plan, PlanError, load_plan
 from deepspeed_ppq.config import PPQConfigError
 
-__all__ = ["apply_plan"]
+__all__ = ["apply_plan", "plan_module"]
+
+
+def _type_name(spec) -> str:
+    return getattr(getattr(spec, "typename", None), "__name__", None) or type(spec).__name__
+
+
+def plan_module(plan: Plan, specs: list, loss_fn, weights: dict | None = None, block_layers=None,
+                rank: int | None = None, **kwargs):
+    """The ``PPQPipelineModule`` of this rank's stage under ``plan``: the plan's boundaries and
+    topology, its per-Linear formats (exact rules over ``weights``' other settings), and recomputation
+    (DeepSpeed's ``activation_checkpoint_interval`` on this stage, every layer but the first checkpointed,
+    as the cost model assumes). The tuner's trials and the user's run build it alike.
+
+    Args:
+        weights: ``ppq.weights`` fields to keep (block size, scale dtype, ...); format and rules come
+            from the plan.
+        kwargs: more ``PipelineModule`` arguments (``seed_layers``, ``base_seed``, ...).
+    """
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    from deepspeed_ppq.integrations.pipe_module import PPQPipelineModule
+
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    stage = rank // plan.data_parallel
+    w = {k: v for k, v in (weights or {}).items() if k not in ("format", "rules")}
+    w.update(plan.ppq_section()["weights"])
+    module = PPQPipelineModule(
+        specs, topology=PipeDataParallelTopology(num_pp=plan.pipeline_degree, num_dp=plan.data_parallel),
+        boundaries=plan.boundaries, loss_fn=loss_fn, weights=w, block_layers=block_layers,
+        activation_checkpoint_interval=1 if plan.stages[stage].recompute else 0,
+        checkpointable_layers=sorted({_type_name(s) for s in specs[1:]}), **kwargs)
+    module.ppq_plan = plan
+    return module
 
 
 def _hyper(optimizer, ds_config: dict) -> tuple[str, dict]:
@@ -58,10 +90,7 @@ def apply_plan(plan: Plan | str, model, optimizer, ds_config: dict, args=None):
     Raises:
         PlanError: the plan is unreadable, for another model or another world size.
     """
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
-
     from deepspeed_ppq.integrations.autotune import model_fingerprint
-    from deepspeed_ppq.integrations.pipe_module import PPQPipelineModule
     from deepspeed_ppq.quant import build_optimizer
 
     source = f"plan file {plan}" if isinstance(plan, str) else "the plan"
@@ -75,21 +104,16 @@ def apply_plan(plan: Plan | str, model, optimizer, ds_config: dict, args=None):
     if world != plan.world_size:
         raise PlanError(f"{source} is for world_size={plan.world_size}; this job has {world} ranks: re-run "
                         "`ppq tune` with this many ranks")
-    stage = dist.get_rank() // plan.data_parallel if dist.is_initialized() else 0
-    weights = copy.deepcopy(dict((ds_config.get("ppq") or {}).get("weights") or {}))
-    weights = {k: v for k, v in weights.items() if k not in ("format", "rules")}
-    weights.update(plan.ppq_section()["weights"])
-    specs = list(model._layer_specs)
-    checkpointable = sorted({getattr(getattr(s, "typename", None), "__name__", type(s).__name__)
-                             for s in specs[1:]})
-    new = PPQPipelineModule(
-        specs, topology=PipeDataParallelTopology(num_pp=plan.pipeline_degree, num_dp=plan.data_parallel),
-        boundaries=plan.boundaries, loss_fn=model.loss_fn, weights=weights,
-        block_layers=getattr(model, "block_layers", None),
-        seed_layers=model.seed_layers, base_seed=model.base_seed,
-        activation_checkpoint_interval=1 if plan.stages[stage].recompute else 0,
-        checkpointable_layers=checkpointable,
-    )
+    weights = dict((ds_config.get("ppq") or {}).get("weights") or {})
+    built = getattr(model, "ppq_plan", None)
+    if built is not None and built.to_dict() == plan.to_dict():
+        new = model  # PPQPipelineModule.from_config built it from this plan already
+    else:
+        new = plan_module(plan, list(model._layer_specs), model.loss_fn, weights,
+                          getattr(model, "block_layers", None), seed_layers=model.seed_layers,
+                          base_seed=model.base_seed)
+    weights = {**{k: v for k, v in weights.items() if k not in ("format", "rules")},
+               **plan.ppq_section()["weights"]}
     kind, hp = _hyper(optimizer, ds_config)
     opt = None
     if optimizer is not None or plan.optimizer_8bit or ds_config.get("optimizer"):
@@ -107,7 +131,4 @@ def apply_plan(plan: Plan | str, model, optimizer, ds_config: dict, args=None):
     cfg["ppq"] = ppq
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
         args = argparse.Namespace(**{**vars(args), "deepspeed_config": None})
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return new, opt, cfg, args
