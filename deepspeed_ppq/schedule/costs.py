@@ -12,6 +12,15 @@ transformer layer with hidden ``h``, ``a`` heads, sequence ``s``, micro-batch ``
   ``s b h`` x dtype is kept and backward adds one forward.
 
 The embedding and the LM head (vocab ``V``) sit on the first and last stage.
+
+LLaMA-style blocks (``ModelShape(arch="llama", kv_heads=..., ffn_hidden=...)``): grouped-query attention
+(``kv_heads`` key/value heads), a SwiGLU MLP (three ``h x f`` matrices), RMSNorm, no biases, no dropout,
+flash attention (no ``a s^2`` score tensors saved). Matmul FLOPs are ``2 b s`` per matmul weight in
+every case. Saved activations (2-byte, per layer) generalise Korthikanti et al.'s ``34 s b h``:
+attention ``(2 + 2 + 4 kv/a + 2 + mask) s b h``, MLP ``(2 + k 2 f/h + mask) s b h`` with ``k = 3``
+(gate, up, product) gated or ``2`` (fc, GELU) otherwise, norms ``4 s b h``; the GPT default gives 34.
+``tensor_parallel = t`` (Megatron tensor + sequence parallelism) divides a device's parameters, FLOPs,
+weight bytes and saved activations by ``t``; the head is vocabulary-parallel.
 """
 
 from __future__ import annotations
@@ -21,8 +30,8 @@ from dataclasses import dataclass
 from .hardware import Hardware
 from .simulator import StageCost, StageMemory
 
-__all__ = ["ModelShape", "layer_flops", "stage_costs_roofline", "stage_memory", "stage_costs_from_profile",
-           "boundary_shape", "FORMAT_BITS"]
+__all__ = ["ModelShape", "layer_flops", "layer_activation_bytes", "stage_costs_roofline", "stage_memory",
+           "stage_costs_from_profile", "boundary_shape", "FORMAT_BITS", "OPTIMIZER_BYTES"]
 
 FORMAT_BITS = {"none": None, "fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "fp8_e4m3": 8, "fp8_e5m2": 8,
                "int4": 4, "nf4": 4}
@@ -31,7 +40,13 @@ _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "tf32": 4}
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A GPT-style model: ``layers`` blocks of ``hidden`` with ``heads``, ``seq_len``, ``vocab``."""
+    """A transformer: ``layers`` blocks of ``hidden`` with ``heads``, ``seq_len``, ``vocab``.
+
+    ``arch="gpt"`` (default): GPT-2 blocks (MLP ``4 h`` unless ``ffn_hidden``, biases, LayerNorm, dropout
+    masks saved, attention scores saved). ``arch="llama"``: GQA with ``kv_heads``, SwiGLU MLP of
+    ``ffn_hidden``, RMSNorm, no biases or dropout, flash attention. ``tensor_parallel``: the
+    Megatron tensor-parallel degree (with sequence parallelism); every per-device figure is divided by it.
+    """
 
     layers: int
     hidden: int
@@ -40,9 +55,13 @@ class ModelShape:
     vocab: int
     micro_batch: int = 1
     dtype: str = "bf16"
+    arch: str = "gpt"
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
-        for k in ("layers", "hidden", "heads", "seq_len", "vocab", "micro_batch"):
+        for k in ("layers", "hidden", "heads", "seq_len", "vocab", "micro_batch", "tensor_parallel"):
             if getattr(self, k) < 1:
                 raise ValueError(f"ModelShape.{k}={getattr(self, k)} must be >= 1")
         if self.hidden % self.heads:
@@ -50,22 +69,65 @@ class ModelShape:
         if self.dtype not in _DTYPE_BYTES:
             raise ValueError(f"ModelShape.dtype={self.dtype!r} is unknown: use one of "
                              f"{', '.join(_DTYPE_BYTES)}")
+        if self.arch not in ("gpt", "llama"):
+            raise ValueError(f"ModelShape.arch={self.arch!r} is unknown: use 'gpt' or 'llama'")
+        if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
+            raise ValueError(f"ModelShape.kv_heads={self.kv_heads} must be >= 1 and divide "
+                             f"heads={self.heads}")
+        if self.ffn_hidden is not None and self.ffn_hidden < 1:
+            raise ValueError(f"ModelShape.ffn_hidden={self.ffn_hidden} must be >= 1")
 
     @property
     def act_bytes(self) -> int:
         return _DTYPE_BYTES[self.dtype]
 
     @property
+    def ffn(self) -> int:
+        """MLP width ``f`` (default ``4 h``)."""
+        return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and of the value) projection: ``kv_heads * hidden / heads``."""
+        return (self.kv_heads or self.heads) * (self.hidden // self.heads)
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of one layer's matmuls (all devices of a tensor-parallel group together)."""
+        h, f = self.hidden, self.ffn
+        return 2 * h * h + 2 * h * self.kv_dim + (3 if self.arch == "llama" else 2) * h * f
+
+    @property
     def layer_params(self) -> int:
-        return 12 * self.hidden ** 2 + 13 * self.hidden
+        """Parameters of one layer (all devices together): ``12 h^2 + 13 h`` for the GPT default."""
+        h = self.hidden
+        if self.arch == "llama":
+            return self.layer_matmul_params + 2 * h  # two RMSNorm weights
+        biases = h + 2 * self.kv_dim + h + self.ffn + h  # qkv, proj, fc, proj
+        return self.layer_matmul_params + biases + 4 * h  # two LayerNorms (weight and bias)
 
 
 def layer_flops(shape: ModelShape) -> tuple[float, float, float]:
-    """(forward, backward_input, backward_weight) FLOPs of one transformer layer, one micro-batch."""
+    """(forward, backward_input, backward_weight) FLOPs of one transformer layer, one micro-batch, one
+    device (``/ tensor_parallel``); attention counted as ``4 b s^2 h`` (no causal discount)."""
     b, s, h = shape.micro_batch, shape.seq_len, shape.hidden
-    mm = 24 * b * s * h * h
-    attn = 4 * b * s * s * h
+    mm = 2 * b * s * shape.layer_matmul_params / shape.tensor_parallel
+    attn = 4 * b * s * s * h / shape.tensor_parallel
+    if shape.tensor_parallel == 1 and shape.arch == "gpt":
+        mm, attn = int(mm), int(attn)
     return mm + attn, mm + attn, mm
+
+
+def layer_activation_bytes(shape: ModelShape) -> int:
+    """Bytes one layer saves for its backward, one micro-batch, one device (module docstring)."""
+    b, s, h, a = shape.micro_batch, shape.seq_len, shape.hidden, shape.heads
+    llama = shape.arch == "llama"
+    mask = 0 if llama else 1
+    attn = 2 + 2 + 4 * shape.kv_dim / h + 2 + mask  # qkv input, Q, K and V, proj input, dropout mask
+    mlp = 2 + (3 if llama else 2) * 2 * shape.ffn / h + mask
+    scores = 0 if llama else 5 * a * s / h
+    per = s * b * h * (attn + mlp + 4 + scores) * shape.act_bytes / 2
+    return int(per / shape.tensor_parallel)
 
 
 def _weight_bytes(params: int, fmt: str, shape: ModelShape, block: int = 64) -> int:
@@ -110,20 +172,25 @@ def stage_costs_roofline(shape: ModelShape, stages: int, hw: Hardware, weight_fo
     counts = _split_layers(shape.layers, stages, boundaries)
     recompute = recompute or [False] * stages
     f, bi, bw = layer_flops(shape)
+    tp = shape.tensor_parallel
     peak = hw.matmul_flops(shape.dtype)
     mem_bw = hw.mem_bw * hw.achievable_mem
-    wbytes = _weight_bytes(shape.layer_params, weight_format, shape)
-    compute_copy = shape.layer_params * shape.act_bytes if FORMAT_BITS.get(weight_format) else 0
-    act_io = 2 * 34 * shape.seq_len * shape.micro_batch * shape.hidden * shape.act_bytes // 2
+    params = shape.layer_params // tp
+    wbytes = _weight_bytes(params, weight_format, shape)
+    compute_copy = params * shape.act_bytes if FORMAT_BITS.get(weight_format) else 0
+    if shape.arch == "gpt":
+        act_io = 2 * 34 * shape.seq_len * shape.micro_batch * shape.hidden * shape.act_bytes // 2 // tp
+    else:
+        act_io = 2 * layer_activation_bytes(shape)
 
     def t(flops: float, nbytes: float) -> float:
         return max(flops / peak, nbytes / mem_bw)
 
     lay_f = t(f, wbytes + 2 * compute_copy + act_io) + (dequant_overhead if compute_copy else 0.0)
     lay_bi = t(bi, wbytes + 2 * compute_copy + act_io) + (dequant_overhead if compute_copy else 0.0)
-    lay_bw = t(bw, shape.layer_params * 4 + act_io)
+    lay_bw = t(bw, params * 4 + act_io)
     b, s, h, v = shape.micro_batch, shape.seq_len, shape.hidden, shape.vocab
-    head = t(2 * b * s * h * v, v * h * shape.act_bytes)
+    head = t(2 * b * s * h * v / tp, v * h * shape.act_bytes / tp)
     out = []
     for i, n in enumerate(counts):
         cf, cbi, cbw = n * lay_f, n * lay_bi, n * lay_bw
@@ -133,36 +200,57 @@ def stage_costs_roofline(shape: ModelShape, stages: int, hw: Hardware, weight_fo
     return out
 
 
+OPTIMIZER_BYTES = {"adam": 8, "adam8bit": 2, "sgd": 0}
+"""Optimizer-state bytes per parameter: AdamW fp32 moments, block-wise 8-bit moments (scales aside)."""
+
+
 def stage_memory(shape: ModelShape, stages: int, weight_format: str = "none", optimizer: str = "adam",
                  boundaries: list[int] | None = None, recompute: list[bool] | None = None,
-                 comm_buffers: int = 0, feedback_buffers: int = 0) -> list[StageMemory]:
-    """Per-stage ``StageMemory``: weights by format, fp32 gradients, fp32 master weights when the
-    stored weights are not fp32, optimizer states (``adam``: 8 B/param, ``adam8bit``: 2, ``sgd``: 0),
-    activations per micro-batch (Korthikanti et al.; the layer input only with recomputation)."""
-    opt_bytes = {"adam": 8, "adam8bit": 2, "sgd": 0}
-    if optimizer not in opt_bytes:
-        raise ValueError(f"optimizer={optimizer!r} is unknown: use one of {', '.join(opt_bytes)}")
+                 comm_buffers: int = 0, feedback_buffers: int = 0, master_free: bool = False,
+                 high_precision_optimizer: str | None = None) -> list[StageMemory]:
+    """Per-stage ``StageMemory`` of one device (``/ shape.tensor_parallel``).
+
+    Weights by format (the blocks' at ``weight_format``; the embedding and LM head stay in
+    ``shape.dtype``), fp32 gradients, fp32 master weights when the stored weights are not fp32,
+    optimizer states (``OPTIMIZER_BYTES``), activations per micro-batch (``layer_activation_bytes``;
+    the layer input only with recomputation) and the last stage's fp32 logits.
+
+    Args:
+        master_free: the low-bit blocks keep no fp32 master (``quant.master_free``: the stored codes are
+            the weights); the embedding and head keep theirs.
+        high_precision_optimizer: optimizer of the embedding and head (the precision policy keeps them
+            high-precision, e.g. fp32 ``"adam"`` beside 8-bit states for the blocks); default ``optimizer``.
+    """
+    hp_opt = high_precision_optimizer or optimizer
+    for name, o in (("optimizer", optimizer), ("high_precision_optimizer", hp_opt)):
+        if o not in OPTIMIZER_BYTES:
+            raise ValueError(f"{name}={o!r} is unknown: use one of {', '.join(OPTIMIZER_BYTES)}")
+    if master_free and FORMAT_BITS.get(weight_format) in (None, 32):
+        raise ValueError(f"master_free=True needs a low-bit weight_format (got {weight_format!r})")
     counts = _split_layers(shape.layers, stages, boundaries)
     recompute = recompute or [False] * stages
-    b, s, h, a, v = shape.micro_batch, shape.seq_len, shape.hidden, shape.heads, shape.vocab
-    full_act = int(s * b * h * (34 + 5 * a * s / h) * shape.act_bytes / 2)
+    tp = shape.tensor_parallel
+    b, s, h, v = shape.micro_batch, shape.seq_len, shape.hidden, shape.vocab
+    full_act = layer_activation_bytes(shape)
     fmt_name = "weights:" + (shape.dtype if weight_format == "none" else weight_format)
+    needs_master = weight_format != "none" or shape.dtype != "fp32"
     out = []
     for i, n in enumerate(counts):
-        params = n * shape.layer_params
-        emb = v * h if i == 0 else 0
-        head = v * h if i == stages - 1 else 0
+        params = n * shape.layer_params // tp
+        emb = v * h // tp if i == 0 else 0
+        head = v * h // tp if i == stages - 1 else 0
         static = {fmt_name: _weight_bytes(params, weight_format, shape)}
         hi = f"weights:{shape.dtype}"  # embedding and LM head stay in the training dtype
         static[hi] = static.get(hi, 0) + (emb + head) * shape.act_bytes
         total_params = params + emb + head
         static["gradients"] = total_params * 4
-        if weight_format != "none" or shape.dtype != "fp32":
-            static["master_weights"] = total_params * 4
-        static["optimizer_states"] = total_params * opt_bytes[optimizer]
-        act = n * (s * b * h * shape.act_bytes if recompute[i] else full_act)
+        if needs_master:
+            static["master_weights"] = (emb + head if master_free else total_params) * 4
+        static["optimizer_states"] = (params * OPTIMIZER_BYTES[optimizer]
+                                      + (emb + head) * OPTIMIZER_BYTES[hp_opt])
+        act = n * (s * b * h * shape.act_bytes // tp if recompute[i] else full_act)
         if i == stages - 1:
-            act += b * s * v * 4  # logits for the loss
+            act += b * s * v * 4 // tp  # logits for the loss
         out.append(StageMemory(static, act, comm_buffers, feedback_buffers))
     return out
 
