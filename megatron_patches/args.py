@@ -32,7 +32,7 @@ from pydantic import BaseModel, TypeAdapter
 from deepspeed_ppq.config import PPQConfig, PPQConfigError, load_ppq_config
 
 __all__ = ["PPQFlag", "ppq_flags", "add_ppq_args", "args_to_ppq_config", "check_megatron_compatible",
-           "PPQ_GROUP_TITLE"]
+           "partition_layout", "PPQ_GROUP_TITLE"]
 
 PPQ_GROUP_TITLE = "ppq (deepspeed_ppq: low-bit weights and compressed pipeline traffic)"
 
@@ -152,6 +152,50 @@ def args_to_ppq_config(args: argparse.Namespace) -> PPQConfig:
     return load_ppq_config(section, root="ppq (from --ppq-* flags)")
 
 
+def partition_layout(cfg: PPQConfig, pp_size: int, num_layers: int | None) -> str | None:
+    """The ``--pipeline-model-parallel-layout`` that carries out ``cfg.partition`` on Megatron.
+
+    ``explicit`` boundaries ``[0, b1, ..., L]`` become one stage per interval (``E`` the embedding on
+    the first stage, ``t`` a transformer layer, ``L`` the loss on the last): ``[0, 1, 4]`` ->
+    ``"Et|tttL"``. ``uniform`` is Megatron's own split (no layout). ``parameters`` and ``type:<regex>``
+    split a DeepSpeed ``PipelineModule``'s layer list and have no Megatron meaning.
+
+    Args:
+        cfg: the validated config; only a ``partition`` that was given (not the default) is read.
+        pp_size: ``--pipeline-model-parallel-size``.
+        num_layers: ``--num-layers`` (checked against the last boundary when given).
+
+    Returns:
+        The layout string, or None when Megatron's default split applies.
+
+    Raises:
+        PPQConfigError: a partition Megatron cannot carry, naming the flag and what to use.
+    """
+    if "partition" not in cfg.model_fields_set:
+        return None
+    part = cfg.partition
+    if part.method == "uniform":
+        return None
+    if part.method != "explicit":
+        raise PPQConfigError(
+            f"--ppq-partition-method {part.method}: on Megatron stage boundaries are whole transformer "
+            "layers; use --ppq-partition-method explicit --ppq-partition-boundaries '[0, b1, ..., "
+            "num_layers]' (one interval per pipeline stage), uniform, or Megatron's own "
+            "--pipeline-model-parallel-layout")
+    b = part.boundaries
+    if len(b) != pp_size + 1:
+        raise PPQConfigError(
+            f"--ppq-partition-boundaries {json.dumps(b)} gives {len(b) - 1} stages but "
+            f"--pipeline-model-parallel-size is {pp_size}: give {pp_size + 1} boundaries")
+    if num_layers is not None and b[-1] != num_layers:
+        raise PPQConfigError(f"--ppq-partition-boundaries {json.dumps(b)} ends at {b[-1]} but --num-layers "
+                             f"is {num_layers}: the last boundary must be {num_layers}")
+    stages = ["t" * (hi - lo) for lo, hi in zip(b, b[1:])]
+    stages[0] = "E" + stages[0]
+    stages[-1] += "L"
+    return "|".join(stages)
+
+
 def _interleaved(args: argparse.Namespace) -> bool:
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
@@ -171,6 +215,8 @@ def check_megatron_compatible(cfg: PPQConfig, args: argparse.Namespace | None = 
     - Low-bit weights: with ``--transformer-impl transformer_engine`` only FP8 (e4m3) primary weights
       through TE; the ppq formats need the local layer spec and tensor parallel size 1.
     - ``use_ring_exchange_p2p`` bypasses ``_communicate``'s send/recv and is not supported with a codec.
+    - A given ``partition`` must be carried by ``--pipeline-model-parallel-layout`` (see
+      :func:`partition_layout`; the launcher adds it).
 
     Raises:
         PPQConfigError: with the flag to change.
@@ -196,6 +242,20 @@ def check_megatron_compatible(cfg: PPQConfig, args: argparse.Namespace | None = 
                 "--ppq-gradients-reuse-indices: reusing the activation's TopK indices needs gradients in "
                 "forward order, which the interleaved schedule does not keep; use "
                 "--no-ppq-gradients-reuse-indices or drop --num-layers-per-virtual-pipeline-stage")
+    if args is not None and "partition" in cfg.model_fields_set:
+        pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+        try:
+            want = partition_layout(cfg, pp, getattr(args, "num_layers", None))
+        except PPQConfigError as e:
+            problems.append(str(e))
+        else:
+            have = getattr(args, "pipeline_model_parallel_layout", None)
+            if want is not None and isinstance(have, (str, type(None))) and have != want:
+                problems.append(
+                    f"--ppq-partition-boundaries {json.dumps(cfg.partition.boundaries)} is the layout "
+                    f"{want!r} but --pipeline-model-parallel-layout is {have!r}: launch through "
+                    f"megatron_patches.run (it adds the layout) or pass "
+                    f"--pipeline-model-parallel-layout '{want}'")
     if args is not None and getattr(args, "use_ring_exchange_p2p", False) and compressing:
         problems.append("--use-ring-exchange-p2p bypasses the compressed send/recv; drop it to use "
                         "--ppq-activations-method/--ppq-gradients-method")

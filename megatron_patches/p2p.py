@@ -54,6 +54,8 @@ __all__ = [
     "uninstall_compressed_p2p",
     "ppq_forward_backward_func",
     "evaluating",
+    "bytes_on_wire",
+    "format_bytes_on_wire",
 ]
 
 
@@ -82,7 +84,9 @@ def evaluating() -> Iterator[None]:
 
 def _device() -> torch.device:
     if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+        # In CPU mode (megatron_patches.cpu_shim) CUDA reads as available and current_device() is "cpu".
+        d = torch.cuda.current_device()
+        return torch.device(d) if isinstance(d, (str, torch.device)) else torch.device("cuda", d)
     return torch.device("cpu")
 
 
@@ -101,6 +105,7 @@ class BoundaryCodecs:
 
     def __init__(self, cfg: PPQConfig, pp_rank: int, pp_size: int):
         self.cfg = cfg
+        self.pp_rank, self.pp_size = pp_rank, pp_size
         self.steps = 0
         self.raw_bytes = {"activations": 0, "gradients": 0}
         self.wire_bytes = {"activations": 0, "gradients": 0}
@@ -398,6 +403,30 @@ def install_compressed_p2p(cfg: PPQConfig | dict | str) -> type[PPQP2PCommunicat
     for name in _SCHEDULE_NAMES:
         setattr(_schedules, name, _wrap_schedule(_SAVED[name]))
     return bound
+
+
+def bytes_on_wire() -> dict[str, tuple[int, int]]:
+    """What this process sent across each pipeline boundary through the installed communicator.
+
+    Returns:
+        ``{"activations stage 0->1": (raw_bytes, wire_bytes), "gradients stage 1->0": ...}``: the
+        logical tensors' bytes and the bytes actually sent, per boundary and direction this rank sends
+        (empty when :func:`install_compressed_p2p` is not in effect or nothing was sent).
+    """
+    shared = getattr(_schedules.P2PCommunicator, "shared_codecs", None) or {}
+    out: dict[str, tuple[int, int]] = {}
+    for codecs in shared.values():
+        r, n = codecs.pp_rank, codecs.pp_size
+        for direction, peer in (("activations", r + 1), ("gradients", r - 1)):
+            if codecs.raw_bytes[direction]:
+                out[f"{direction} stage {r}->{peer % n}"] = (codecs.raw_bytes[direction],
+                                                            codecs.wire_bytes[direction])
+    return out
+
+
+def format_bytes_on_wire(counts: dict[str, tuple[int, int]]) -> list[str]:
+    """One line per boundary: ``activations stage 0->1: 327,680 -> 51,360 bytes (6.38x)``."""
+    return [f"{name}: {raw:,} -> {wire:,} bytes ({raw / wire:.2f}x)" for name, (raw, wire) in counts.items()]
 
 
 def uninstall_compressed_p2p() -> None:

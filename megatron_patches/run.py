@@ -1,9 +1,16 @@
 """Run an unmodified Megatron-LM training script with deepspeed_ppq::
 
-    python -m megatron_patches.run pretrain_gpt.py <Megatron args> --ppq-activations-method quant ...
+    python -m megatron_patches.run [--cpu] pretrain_gpt.py <Megatron args> --ppq-activations-method quant ...
     torchrun --nproc-per-node 8 -m megatron_patches.run pretrain_gpt.py ...
 
 What it does, in order:
+
+0. CPU mode (``--cpu``, or automatic when PyTorch sees no GPU): makes the process look to Megatron-LM
+   like one CUDA device that is the CPU (``megatron_patches.cpu_shim.enter_cpu_mode``: CUDA checks,
+   ``Tensor.cuda()``, streams, fused-kernel build, RNG tracker, memory statistics) and adds
+   ``--distributed-backend gloo``, ``--no-persist-layer-norm`` and ``--no-gradient-accumulation-fusion``
+   unless given. On a GPU nothing of this happens: the launcher only
+   patches.
 
 1. Reads the ``--ppq-*`` flags (and ``--ppq-config``) and the few Megatron flags they interact with,
    validates them (``args_to_ppq_config`` + ``check_megatron_compatible``): bad input stops here,
@@ -12,13 +19,19 @@ What it does, in order:
    (``--pipeline-model-parallel-size``, ``--pipeline-model-parallel-layout``, ``--micro-batch-size``,
    ``--global-batch-size``, recomputation) and per-layer precision rules on Megatron's global layer
    names; a flag the user also gave with another value is an error.
-3. With ``--transformer-impl transformer_engine`` and ``--ppq-weights-format fp8_e4m3``: adds
+3. ``--ppq-partition-method explicit --ppq-partition-boundaries '[0, 1, 4]'`` becomes
+   ``--pipeline-model-parallel-layout Et|tttL`` (``uniform`` is Megatron's own split; ``parameters`` and
+   ``type:`` are refused: they split a DeepSpeed layer list).
+4. With ``--transformer-impl transformer_engine`` and ``--ppq-weights-format fp8_e4m3``: adds
    megatron-core's own FP8 flags (``--fp8-format``, ``--fp8-recipe``, ``--fp8-param-gather``,
    ``--first-last-layers-bf16`` and the two counts).
-4. Installs the patches (compressed P2P, low-bit layers), removes the ``--ppq-*`` flags from
+5. Installs the patches (compressed P2P, low-bit layers), removes the ``--ppq-*`` flags from
    ``sys.argv`` (the script's parser does not know them) and runs the script with ``runpy`` as
-   ``__main__``. A script that registers ``add_ppq_args`` itself and calls ``apply`` gets the same
-   config through ``PPQ_MEGATRON_CONFIG``.
+   ``__main__``, with the script's folder first on ``sys.path`` (as ``python script.py`` has it, so
+   ``import gpt_builders`` works from anywhere). A script that registers ``add_ppq_args`` itself and
+   calls ``apply`` gets the same config through ``PPQ_MEGATRON_CONFIG``. With any ``--ppq-*`` flag the
+   compressed-P2P communicator is installed (codec ``none`` sends the tensors themselves) so that:
+6. At the end each pipeline rank prints the bytes it sent across its boundaries (raw -> wire, ratio).
 """
 
 from __future__ import annotations
@@ -28,13 +41,14 @@ import json
 import os
 import runpy
 import sys
+from pathlib import Path
 
 from deepspeed_ppq.config import PPQConfigError, WeightFormat
 
 from . import CONFIG_ENV, apply
-from .args import add_ppq_args, args_to_ppq_config, check_megatron_compatible
+from .args import add_ppq_args, args_to_ppq_config, check_megatron_compatible, partition_layout
 
-__all__ = ["prepare", "plan_to_megatron", "main"]
+__all__ = ["prepare", "plan_to_megatron", "cpu_defaults", "main"]
 
 
 def _megatron_view(argv: list[str]) -> argparse.Namespace:
@@ -47,6 +61,7 @@ def _megatron_view(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
     p.add_argument("--use-ring-exchange-p2p", action="store_true")
     p.add_argument("--num-layers", type=int, default=None)
+    p.add_argument("--pipeline-model-parallel-layout", default=None)
     return p.parse_known_args(argv)[0]
 
 
@@ -128,12 +143,17 @@ def prepare(argv: list[str]) -> tuple[list[str], dict]:
     if cfg.plan_file:
         flags, overrides = plan_to_megatron(cfg.plan_file)
         rest = _merge(rest, flags, f"--ppq-plan-file {cfg.plan_file}")
-        section = cfg.model_dump(mode="json")
+        section = cfg.model_dump(mode="json", exclude_unset=True)
         section.update(overrides)
         from deepspeed_ppq.config import load_ppq_config
 
         cfg = load_ppq_config(section, root="ppq (with the plan)")
     view = _megatron_view(rest)
+    layout = partition_layout(cfg, view.pipeline_model_parallel_size, view.num_layers)
+    if layout is not None:
+        rest = _merge(rest, ["--pipeline-model-parallel-layout", layout],
+                      f"--ppq-partition-boundaries {json.dumps(cfg.partition.boundaries)}")
+        view = _megatron_view(rest)
     check_megatron_compatible(cfg, view)
     if view.transformer_impl == "transformer_engine" and cfg.weights.format == WeightFormat.fp8_e4m3:
         from .layers import te_fp8_settings
@@ -145,26 +165,89 @@ def prepare(argv: list[str]) -> tuple[list[str], dict]:
                       "--num-layers-at-start-in-bf16", str(te["num_layers_at_start_in_bf16"]),
                       "--num-layers-at-end-in-bf16", str(te["num_layers_at_end_in_bf16"])]
         rest = _merge(rest, flags, "--ppq-weights-format fp8_e4m3")
-    return rest, cfg.model_dump(mode="json")
+    # only what was given: apply() re-reads it, and a partition left at its default must stay unset
+    return rest, cfg.model_dump(mode="json", exclude_unset=True)
+
+
+_CPU_OFF = ("--no-persist-layer-norm", "--no-gradient-accumulation-fusion")
+
+
+def cpu_defaults(argv: list[str]) -> list[str]:
+    """The Megatron flags a CPU run needs, added where the user did not give them.
+
+    Raises:
+        PPQConfigError: a flag that cannot work on the CPU (``--distributed-backend nccl``).
+    """
+    given = _flag_values(argv)
+    backend = given.get("--distributed-backend", "gloo")
+    if backend != "gloo":
+        raise PPQConfigError(f"--distributed-backend {backend} needs GPUs; CPU mode runs over gloo: "
+                             "pass --distributed-backend gloo or drop the flag")
+    out = list(argv)
+    if "--distributed-backend" not in given:
+        out += ["--distributed-backend", "gloo"]
+    # Kernels a CPU has no build of (Apex's persistent LayerNorm, the fused weight-gradient GEMM).
+    out += [f for f in _CPU_OFF if f not in given]
+    return out
+
+
+def _launcher_flags(argv: list[str]) -> tuple[bool, list[str]]:
+    """``--cpu`` before the script path; returns (cpu requested, the rest)."""
+    cpu = False
+    while argv and argv[0] == "--cpu":
+        cpu, argv = True, argv[1:]
+    return cpu, argv
+
+
+def _print_bytes_on_wire() -> None:
+    from .p2p import bytes_on_wire, format_bytes_on_wire
+
+    lines = format_bytes_on_wire(bytes_on_wire())
+    rank = os.environ.get("RANK", "0")
+    for line in lines:
+        print(f"megatron_patches.run: rank {rank} bytes on the wire, {line}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    cpu, argv = _launcher_flags(argv)
     if not argv or argv[0] in ("-h", "--help", "--help-ppq"):
         parser = add_ppq_args(argparse.ArgumentParser(
-            prog="python -m megatron_patches.run", usage="%(prog)s SCRIPT [Megatron args] [--ppq-* flags]",
+            prog="python -m megatron_patches.run",
+            usage="%(prog)s [--cpu] SCRIPT [Megatron args] [--ppq-* flags]",
             description=__doc__.split("\n\n")[0]))
         parser.print_help()
         raise SystemExit(0 if argv else 2)
     script, script_args = argv[0], argv[1:]
+    if not Path(script).is_file():
+        raise SystemExit(f"megatron_patches.run: no script {script!r} (give the path to pretrain_gpt.py "
+                         "or another Megatron training script)")
+    import torch
+
+    cpu = cpu or not torch.cuda.is_available()
     try:
         rest, section = prepare(script_args)
+        if cpu:
+            rest = cpu_defaults(rest)
     except PPQConfigError as e:
         raise SystemExit(f"megatron_patches.run: {e}") from None
+    # Before anything imports `megatron`: a Megatron-LM checkout's own megatron/ package (with
+    # megatron/training) must win over the pip megatron-core, as it does for `python pretrain_gpt.py`.
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    if cpu:
+        from .cpu_shim import enter_cpu_mode
+
+        enter_cpu_mode()
     os.environ[CONFIG_ENV] = json.dumps(section)
-    apply(_megatron_view(rest), cfg=section)
+    cfg = apply(_megatron_view(rest), cfg=section)
+    if any(a.startswith(("--ppq", "--no-ppq")) for a in script_args) and not (
+            cfg.activations.enabled or cfg.gradients.enabled):
+        from .p2p import install_compressed_p2p
+
+        install_compressed_p2p(cfg)  # codec none: the tensors themselves, counted
     sys.argv = [script, *rest]
     runpy.run_path(script, run_name="__main__")
+    _print_bytes_on_wire()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 from deepspeed_ppq.config import PPQConfig, PPQConfigError
 from megatron_patches import _compat
 from megatron_patches.args import add_ppq_args, args_to_ppq_config, check_megatron_compatible, ppq_flags
-from megatron_patches.run import _flag_values, prepare
+from megatron_patches.run import _flag_values, cpu_defaults, prepare
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -108,6 +108,46 @@ def test_prepare_errors():
         prepare(["--ppq-activation-method", "quant"])
     with pytest.raises(PPQConfigError, match="--fp8-format hybrid on the command line conflicts"):
         prepare(["--fp8-format", "hybrid", "--ppq-weights-format", "fp8_e4m3"])
+
+
+def test_partition_flags_become_the_megatron_layout():
+    pp2 = ["--num-layers", "4", "--pipeline-model-parallel-size", "2"]
+    part = ["--ppq-partition-method", "explicit", "--ppq-partition-boundaries", "[0, 1, 4]"]
+    rest, section = prepare([*pp2, *part])
+    assert _flag_values(rest)["--pipeline-model-parallel-layout"] == "Et|tttL"
+    assert not any(a.startswith("--ppq") for a in rest)
+    # the same layout given by hand is fine; another one is a conflict
+    rest, _ = prepare([*pp2, "--pipeline-model-parallel-layout", "Et|tttL",
+                       "--ppq-partition-method", "explicit", "--ppq-partition-boundaries", "[0, 1, 4]"])
+    assert rest.count("--pipeline-model-parallel-layout") == 1
+    with pytest.raises(PPQConfigError, match="--pipeline-model-parallel-layout Ett|ttL on the command line "
+                                             "conflicts"):
+        prepare([*pp2, "--pipeline-model-parallel-layout", "Ett|ttL",
+                 "--ppq-partition-method", "explicit", "--ppq-partition-boundaries", "[0, 1, 4]"])
+    # uniform is Megatron's own split; nothing given, nothing added
+    for extra in (["--ppq-partition-method", "uniform"], []):
+        rest, _ = prepare([*pp2, *extra])
+        assert "--pipeline-model-parallel-layout" not in rest
+    with pytest.raises(PPQConfigError, match="--ppq-partition-method parameters: on Megatron"):
+        prepare([*pp2, "--ppq-partition-method", "parameters"])
+    with pytest.raises(PPQConfigError, match=r"gives 3 stages but --pipeline-model-parallel-size is 2"):
+        prepare([*pp2, "--ppq-partition-method", "explicit", "--ppq-partition-boundaries", "[0, 1, 2, 4]"])
+    with pytest.raises(PPQConfigError, match="ends at 6 but --num-layers is 4"):
+        prepare([*pp2, "--ppq-partition-method", "explicit", "--ppq-partition-boundaries", "[0, 1, 6]"])
+    # a script calling apply() itself without the layout is told how to carry the partition
+    args = parse(["--ppq-partition-method", "explicit", "--ppq-partition-boundaries", "[0, 1, 4]"])
+    args.pipeline_model_parallel_size, args.num_layers, args.pipeline_model_parallel_layout = 2, 4, None
+    with pytest.raises(PPQConfigError, match="pass --pipeline-model-parallel-layout 'Et|tttL'"):
+        check_megatron_compatible(args_to_ppq_config(args), args)
+
+
+def test_cpu_defaults():
+    out = cpu_defaults(["--num-layers", "4"])
+    assert _flag_values(out)["--distributed-backend"] == "gloo"
+    assert "--no-persist-layer-norm" in out and "--no-gradient-accumulation-fusion" in out
+    assert cpu_defaults(out) == out
+    with pytest.raises(PPQConfigError, match="--distributed-backend nccl needs GPUs"):
+        cpu_defaults(["--distributed-backend", "nccl"])
 
 
 def test_plan_file_becomes_megatron_flags(tmp_path):

@@ -7,8 +7,10 @@ is not pip-installable): an argparse parser, an optional ``extra_args_provider``
 It knows nothing about ppq unless ``--use-extra-args-provider`` is given (then it registers
 ``add_ppq_args`` and calls ``megatron_patches.apply``, as an adapted script would).
 
-Runs on CPU with gloo through the test-only device shim. Reports per-step losses (last stage),
-the number of low-bit layers and the communicator's byte counters through ``write_result``.
+Like Megatron-LM it assumes CUDA (``model_parallel_cuda_manual_seed``, ``.cuda()``, the schedule's CUDA
+allocations), so on CPU it runs only under the launcher's CPU mode (``megatron_patches.run``, automatic
+without a GPU). Reports per-step losses (last stage), the layers on each stage, the number of low-bit
+layers and the communicator's byte counters through ``write_result``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ def parse_args(extra_args_provider=None) -> argparse.Namespace:
     p.add_argument("--transformer-impl", default="transformer_engine",
                    choices=["local", "transformer_engine"])
     p.add_argument("--use-extra-args-provider", action="store_true")
+    p.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"])
+    # Megatron-LM's flags for kernels that CPU mode turns off; accepted, nothing here uses them.
+    p.add_argument("--no-persist-layer-norm", action="store_true")
+    p.add_argument("--no-gradient-accumulation-fusion", action="store_true")
     if extra_args_provider is not None:
         p = extra_args_provider(p)
     return p.parse_args()
@@ -64,15 +70,14 @@ def main() -> None:
         provider = add_ppq_args
     args = parse_args(provider)
 
-    dist.init_process_group("gloo")
+    dist.init_process_group(args.distributed_backend)
     torch.set_num_threads(1)
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_patches.cpu_shim import cpu_shim, seed_cpu_rng_tracker
     from megatron_patches.layers import QuantParallelLinear
 
     if use_provider:
@@ -83,7 +88,7 @@ def main() -> None:
         raise SystemExit("this CPU test script builds the local spec only: add --transformer-impl local")
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
                                              args.pipeline_model_parallel_size)
-    seed_cpu_rng_tracker(args.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -94,12 +99,12 @@ def main() -> None:
                      vocab_size=args.vocab_size, max_sequence_length=args.seq_length,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=False)
+                     share_embeddings_and_output_weights=False).cuda()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    position_ids = torch.arange(args.seq_length).expand(args.micro_batch_size, -1)
+    position_ids = torch.arange(args.seq_length).expand(args.micro_batch_size, -1).cuda()
 
     def forward_step(data_iterator, model):
-        tokens, labels = next(data_iterator)
+        tokens, labels = (t.cuda(non_blocking=True) for t in next(data_iterator))
         out = model(tokens, position_ids, attention_mask=None, labels=labels)
 
         def loss_func(output):
@@ -111,11 +116,9 @@ def main() -> None:
     losses = []
     for step in range(args.train_iters):
         optimizer.zero_grad(set_to_none=True)
-        with cpu_shim():
-            res = forward_backward(forward_step_func=forward_step, data_iterator=batches(args, step),
-                                   model=model,
-                                   num_microbatches=args.global_batch_size // args.micro_batch_size,
-                                   seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
+        res = forward_backward(forward_step_func=forward_step, data_iterator=batches(args, step),
+                               model=model, num_microbatches=args.global_batch_size // args.micro_batch_size,
+                               seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
         optimizer.step()
         if res:
             losses.append(sum(float(r["lm loss"]) for r in res) / len(res))
@@ -125,7 +128,7 @@ def main() -> None:
     comm_cls = schedules.P2PCommunicator
     codecs = list((getattr(comm_cls, "shared_codecs", None) or {}).values())
     write_result({
-        "rank": dist.get_rank(), "losses": losses,
+        "rank": dist.get_rank(), "losses": losses, "stage_layers": len(model.decoder.layers),
         "lowbit_layers": sum(isinstance(m, QuantParallelLinear) for m in model.modules()),
         "lowbit_formats": sorted({m.format.value for m in model.modules()
                                   if isinstance(m, QuantParallelLinear)}),
