@@ -15,7 +15,7 @@ from deepspeed_ppq.autotune.planner import (
     Knobs,
     PlanningProblem,
     StageChoice,
-    baseline_plan,
+    best_stock,
     evaluate_stages,
     plan_pipeline,
     solve_partition,
@@ -23,6 +23,23 @@ from deepspeed_ppq.autotune.planner import (
 )
 
 FORMATS = {"none": 1.0, "int8": 0.25, "nf4": 0.14}
+
+def deepspeed_partitions(prob, method: str) -> dict[int, dict[str, list[int]]]:
+    """DeepSpeed's own cut of the problem's layers by ``method`` at the largest pipeline degree."""
+    from deepspeed.runtime import utils as ds_utils
+
+    p = max(prob.degrees())
+    if method == "parameters":
+        cuts = ds_utils.partition_balanced([layer.params for layer in prob.layers], p)
+    else:
+        cuts = ds_utils.partition_uniform(len(prob.layers), p)
+    return {p: {method: [int(x) for x in cuts]}}
+
+
+def baseline_plan(prob, method: str = "parameters", optimizer_8bit: bool = False):
+    """The fastest stock configuration with DeepSpeed's ``method`` partition."""
+    return best_stock(prob, deepspeed_partitions(prob, method), optimizer_8bit)
+
 
 
 def _layer(rng: random.Random, name: str, kind: str, params: int, flops: float) -> LayerProfile:
@@ -284,7 +301,7 @@ def test_plan_json_round_trip_and_version(tmp_path):
 
 
 def test_back_off_removes_most_sensitive_format_then_codecs():
-    from deepspeed_ppq.autotune.loop import _back_off
+    from deepspeed_ppq.autotune.loop import back_off
 
     q8 = CodecOption.make({"method": "quant", "bits": 8}, wire_ratio=0.26, bits=8)
     q4 = CodecOption.make({"method": "quant", "bits": 4}, wire_ratio=0.14, bits=4)
@@ -297,14 +314,14 @@ def test_back_off_removes_most_sensitive_format_then_codecs():
     plan = plan_pipeline(prob)
     plan.stages[0].formats = formats[: plan.stages[0].layers[1]]
     plan.stages[1].formats = formats[plan.stages[0].layers[1] :]
-    assert "layer 3: nf4 removed" in _back_off(prob.layers, plan, prob)
+    assert "layer 3: nf4 removed" in back_off(plan, prob)
     assert "nf4" not in prob.layers[3].allowed_formats and "nf4" in prob.layers[2].allowed_formats
     for s in plan.stages:
         s.formats = ["none"] * len(s.formats)
-    assert _back_off(prob.layers, plan, prob) == "activation_codecs: quant4 removed"
-    assert _back_off(prob.layers, plan, prob) == "activation_codecs: quant8 removed"
-    assert _back_off(prob.layers, plan, prob) == "gradient_codecs: quant8 removed"
-    assert _back_off(prob.layers, plan, prob) is None
+    assert back_off(plan, prob) == "activation_codecs: quant4 removed"
+    assert back_off(plan, prob) == "activation_codecs: quant8 removed"
+    assert back_off(plan, prob) == "gradient_codecs: quant8 removed"
+    assert back_off(plan, prob) is None
 
 
 def test_plan_rules_from_linear_formats():
@@ -403,13 +420,13 @@ def test_master_free_frees_the_masters_and_searches_exactly():
 
 
 def test_back_off_gives_masters_back_first():
-    from deepspeed_ppq.autotune.loop import _back_off
+    from deepspeed_ppq.autotune.loop import back_off
 
     prob = _problem(4, 6, world_size=2, global_batch=8, pipeline_degrees=[2], master_free=[False, True])
     plan = plan_pipeline(prob)
     plan.master_free = True
     plan.stages[0].formats = ["none"] + ["int8"] * (len(plan.stages[0].formats) - 1)
-    assert "master-free weights removed" in _back_off(prob.layers, plan, prob)
+    assert "master-free weights removed" in back_off(plan, prob)
     assert prob.master_free == [False]
     plan.master_free = False
-    assert "int8 removed" in _back_off(prob.layers, plan, prob)
+    assert "int8 removed" in back_off(plan, prob)

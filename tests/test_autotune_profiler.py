@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from deepspeed_ppq.autotune.loop import SavedTensorLedger
+from deepspeed_ppq.autotune.memory import StageMemTracker
 from deepspeed_ppq.autotune.planner import PlanningProblem, plan_pipeline
 from deepspeed_ppq.autotune.profiler import (
     layers_from_cache,
@@ -69,16 +69,27 @@ def test_bytes_and_times(profile):
     assert prof[0].times["none"][1][1] == 0.0  # token ids have no input gradient
 
 
-def test_saved_bytes_ledger_matches_profile(profile):
+def test_tracker_sees_what_the_profile_predicts(profile):
+    """After a block's forward, the tracker's live activations are the profiled saved bytes, the
+    output and at most the input (tracked as the caller's); its forward+backward peak is the profile's
+    ``peak_bytes`` (the same tracker measured it)."""
     layers, prof = profile
     x = torch.randn(2, CFG.seq_len, CFG.d_model, requires_grad=True)
-    with SavedTensorLedger(exclude=list(layers[2].parameters())) as led:
+    g = torch.randn(2, CFG.seq_len, CFG.d_model)
+    tracker = StageMemTracker()
+    tracker.track_external(layers[2], x, g)
+    with tracker:
         y = layers[2](x)
-        peak_before_backward = led.live
-    y.sum().backward()
-    assert peak_before_backward == led.peak == pytest.approx(prof[2].saved_bytes["none"] * 2, rel=0.05)
-    del y
-    assert led.live == 0
+        live = tracker.current()["activations"]
+        y.backward(g)
+        del y
+    saved = prof[2].saved_bytes["none"] * 2
+    out_bytes = x.nbytes  # a block keeps the shape
+    assert saved + out_bytes <= live <= saved + out_bytes + x.nbytes
+    peak = tracker.peak()
+    assert peak["activations"] + peak["temporaries"] == pytest.approx(prof[2].peak_bytes["none"][2], rel=0.05)
+    assert prof[2].peak_bytes["none"][2] > saved  # backward needs more than it saved
+    layers[2].zero_grad(set_to_none=True)
 
 
 def test_cache_roundtrip_and_mismatch(profile, tmp_path):

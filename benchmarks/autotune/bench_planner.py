@@ -27,7 +27,7 @@ from deepspeed_ppq.autotune.planner import (  # noqa: E402
     Knobs,
     PlanningProblem,
     StageChoice,
-    baseline_plan,
+    best_stock,
     evaluate_stages,
     plan_pipeline,
     solve_partition,
@@ -35,6 +35,23 @@ from deepspeed_ppq.autotune.planner import (  # noqa: E402
 
 FLOPS = 1.0e11  # fp32 FLOP/s of one core of this CPU with AMX/AVX-512 (roofline, achievable ~50%)
 BW = 10e9  # bytes/s per core
+
+def deepspeed_partitions(prob, method: str) -> dict[int, dict[str, list[int]]]:
+    """DeepSpeed's own cut of the problem's layers by ``method`` at the largest pipeline degree."""
+    from deepspeed.runtime import utils as ds_utils
+
+    p = max(prob.degrees())
+    if method == "parameters":
+        cuts = ds_utils.partition_balanced([layer.params for layer in prob.layers], p)
+    else:
+        cuts = ds_utils.partition_uniform(len(prob.layers), p)
+    return {p: {method: [int(x) for x in cuts]}}
+
+
+def baseline_plan(prob, method: str = "parameters", optimizer_8bit: bool = False):
+    """The fastest stock configuration with DeepSpeed's ``method`` partition."""
+    return best_stock(prob, deepspeed_partitions(prob, method), optimizer_8bit)
+
 
 
 def gpt_layers(

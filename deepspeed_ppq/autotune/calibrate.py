@@ -192,16 +192,17 @@ def calibrate_memory(problem: PlanningProblem, runs: list[tuple[Plan, dict]]) ->
     1. ``activation_scale``: the largest ratio, over stages without recomputation, of the measured
        pipeline-phase activations to the predicted activations + pipe buffers (the engine keeps
        clones of received activations, outputs until sent, ...), at least the current value.
-    2. ``step_transient_bytes_per_param``: the measured step-phase peak minus the static bytes
-       (weights, masters, gradients, optimizer states) and the pipe buffers, per trainable parameter
-       of the stage: the largest such figure, at least the current value.
+    2. ``step_fixed_bytes``: the measured step-phase peak minus the static bytes (weights, masters,
+       gradients, optimizer states), the pipe buffers and the per-parameter step transient (the
+       runner's figure: a flattened gradient buffer, the optimizer's temporaries) is what the engine
+       still holds then; the largest over stages, at least the current value.
 
     Returns:
-        ``{"activation_scale", "step_transient_bytes_per_param", "before": {...}}``.
+        ``{"activation_scale", "step_transient_bytes_per_param", "step_fixed_bytes", "before": {...}}``.
     """
-    before = {"activation_scale": problem.activation_scale,
-              "step_transient_bytes_per_param": problem.step_transient_bytes_per_param}
-    scale, need = problem.activation_scale, problem.step_transient_bytes_per_param
+    before = {"activation_scale": problem.activation_scale, "step_fixed_bytes": problem.step_fixed_bytes}
+    scale, need = problem.activation_scale, problem.step_fixed_bytes
+    per_param = problem.step_transient_bytes_per_param
     saved = problem.activation_scale
     problem.activation_scale = 1.0
     for plan, run in runs:
@@ -213,10 +214,10 @@ def calibrate_memory(problem: PlanningProblem, runs: list[tuple[Plan, dict]]) ->
                 scale = max(scale, pipe.get("activations", 0) / held)
             step = phases.get("step")
             params = sum(layer.params for layer in problem.layers[sp.layers[0] : sp.layers[1]])
-            if step and params > 0:
+            if step:
                 fixed = sum(pred[k] for k in ("weights", "master", "gradients", "optimizer"))
-                need = max(need, (step["total"] - fixed - pred["buffers"] * saved) / params)
+                need = max(need, step["total"] - fixed - pred["buffers"] * saved - per_param * params)
     problem.activation_scale = scale if scale > 0 else saved
-    problem.step_transient_bytes_per_param = need
-    return {"activation_scale": problem.activation_scale, "step_transient_bytes_per_param": need,
-            "before": before}
+    problem.step_fixed_bytes = need
+    return {"activation_scale": problem.activation_scale, "step_transient_bytes_per_param": per_param,
+            "step_fixed_bytes": need, "before": before}

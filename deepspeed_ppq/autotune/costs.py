@@ -83,9 +83,9 @@ class LayerProfile:
         input_bytes: bytes of the tensor entering the layer, per sample.
         output_bytes: bytes of the tensor leaving the layer, per sample.
         quant_error: format -> relative weight error ``||W - Q(W)|| / ||W||`` (sensitivity).
-        peak_bytes: format -> the peak of activation and temporary bytes while the layer runs forward
-            and backward alone, per sample (saved tensors, output, backward temporaries); missing: taken
-            as ``saved_bytes``.
+        peak_bytes: format -> micro-batch size -> the peak of activation and temporary bytes while
+            the layer runs forward and backward alone (saved tensors, output, backward temporaries; not
+            linear in the micro-batch size: kernels change with it); missing: ``saved_bytes``.
     """
 
     name: str
@@ -99,15 +99,16 @@ class LayerProfile:
     input_bytes: int
     output_bytes: int
     quant_error: dict[str, float] = field(default_factory=dict)
-    peak_bytes: dict[str, int] = field(default_factory=dict)
+    peak_bytes: dict[str, dict[int, int]] = field(default_factory=dict)
 
-    def transient_bytes(self, fmt: str, recompute: bool) -> int:
-        """Bytes per sample this layer needs on top of what the stage keeps for it while its backward
-        runs: a checkpointed layer rebuilds all of its activations (its peak); any other layer needs
-        its peak beyond its saved tensors."""
-        saved = self.saved_bytes[fmt]
-        peak = self.peak_bytes.get(fmt, saved)
-        return peak if recompute and self.recomputable else max(0, peak - saved)
+    def transient_bytes(self, fmt: str, recompute: bool, micro_batch: int) -> float:
+        """Bytes this layer needs on top of what the stage keeps for it while its backward runs, at
+        ``micro_batch``: a checkpointed layer rebuilds all of its activations (its peak); any other
+        layer needs its peak beyond its saved tensors."""
+        saved = self.saved_bytes[fmt] * micro_batch
+        measured = self.peak_bytes.get(fmt)
+        peak = interpolate_time(measured, micro_batch) if measured else saved
+        return peak if recompute and self.recomputable else max(0.0, peak - saved)
 
     @property
     def params(self) -> int:
@@ -154,6 +155,7 @@ class LayerProfile:
     def from_dict(cls, d: dict) -> LayerProfile:
         d = dict(d)
         d["times"] = {f: {int(mb): v for mb, v in t.items()} for f, t in d["times"].items()}
+        d["peak_bytes"] = {f: {int(mb): v for mb, v in t.items()} for f, t in d.get("peak_bytes", {}).items()}
         return cls(**d)
 
 

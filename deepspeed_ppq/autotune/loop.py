@@ -41,7 +41,7 @@ from deepspeed_ppq.autotune.planner import (
 )
 from deepspeed_ppq.autotune.runner import Profile, TrialResult, TuningRunner
 
-__all__ = ["tune", "summarize", "build_problem", "default_micro_batch_sizes", "TuningError"]
+__all__ = ["tune", "summarize", "build_problem", "back_off", "default_micro_batch_sizes", "TuningError"]
 
 
 class TuningError(RuntimeError):
@@ -152,7 +152,7 @@ def _over_budget(settings, run: dict) -> list[str]:
             for st in run["stages"] if st["measured_memory"]["total"] > limit]
 
 
-def _back_off(plan: Plan, problem: PlanningProblem) -> str | None:
+def back_off(plan: Plan, problem: PlanningProblem) -> str | None:
     """Make the next plan more conservative; returns what changed, or None if nothing is left.
 
     Order: master-free weights get their fp32 masters back; then the most sensitive layer (largest
@@ -301,8 +301,8 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         run["calibrated_step_time"] = cal["step_time"]
     note(f"calibration: layer times x{time_cal['time_scale']:.3f}, engine "
          f"{time_cal['fixed_per_microbatch_s'] * 1e3:.2f} ms per stage and micro-batch; activations "
-         f"x{mem_cal['activation_scale']:.3f}, step transient {mem_cal['step_transient_bytes_per_param']:.2f} "
-         "B/param")
+         f"x{mem_cal['activation_scale']:.3f}, around the step {mem_cal['step_transient_bytes_per_param']:.1f} "
+         f"B/param + {fmt_mib(mem_cal['step_fixed_bytes'])}")
 
     # quality noise: the baseline over seeds
     seed_runs = [base_run]
@@ -337,7 +337,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         if ok_q:
             accepted = (plan, run)
             break
-        change = _back_off(plan, problem)
+        change = back_off(plan, problem)
         rec["back_off"] = change
         if change is None:
             note("quality gate failed and nothing is left to back off")

@@ -55,6 +55,7 @@ __all__ = [
     "evaluate_stages",
     "stock_plan",
     "stock_candidates",
+    "best_stock",
     "plan_fits",
     "MEMORY_CATEGORIES",
     "stage_levels",
@@ -98,6 +99,8 @@ class PlanningProblem:
             optimizer step (a flattened gradient buffer, the optimizer's temporaries), when the
             activations are gone and the pipe buffers stay: a stage's peak is its static bytes plus
             its pipe buffers plus the larger of its activations and this transient.
+        step_fixed_bytes: bytes per stage around the optimizer step that do not scale with its parameters
+            (tensors the engine keeps from the last micro-batch); calibrated.
         activation_scale: measured over profiled activation and pipe-buffer bytes (the engine keeps
             copies of received activations, outputs until they are sent, ...); calibrated.
     """
@@ -119,6 +122,7 @@ class PlanningProblem:
     optimizer_cost_ratio: dict[str, float] = field(default_factory=dict)
     microbatch_overhead_s: float = 0.0
     step_transient_bytes_per_param: float = 0.0
+    step_fixed_bytes: float = 0.0
     activation_scale: float = 1.0
 
     def levels(self) -> list[str]:
@@ -211,7 +215,7 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
             mem[cat] += v
     saved = [layer.saved_bytes[layer.format_for(c.level)] * b for layer in layers]
     # one layer at a time runs its backward: the largest transient of the stage's layers on top
-    transient = max(b * layer.transient_bytes(layer.format_for(c.level), c.recompute) for layer in layers)
+    transient = max(layer.transient_bytes(layer.format_for(c.level), c.recompute, b) for layer in layers)
     if c.recompute:  # checkpointed layers keep only their input
         kept = [b * layer.input_bytes if layer.recomputable else x for layer, x in zip(layers, saved)]
         mem["activations"] = n_act * sum(kept) + transient
@@ -221,7 +225,7 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
     mem["buffers"] = n_buf * b * (layers[0].input_bytes + layers[-1].output_bytes) + b * grad_buf
     mem["activations"] = int(mem["activations"] * prob.activation_scale)
     mem["buffers"] = int(mem["buffers"] * prob.activation_scale)
-    transient = prob.step_transient_bytes_per_param * sum(layer.params for layer in layers)
+    transient = prob.step_transient_bytes_per_param * sum(layer.params for layer in layers) + prob.step_fixed_bytes
     mem["temporaries"] = int(max(0.0, transient - mem["activations"]))
     return mem
 
@@ -321,7 +325,7 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
             sum(layer.static_bytes(f, optimizer_8bit, master_free).values()) for layer, f in zip(layers, fmts)
         ]
         saved = np.array([layer.saved_bytes[f] * b for layer, f in zip(layers, fmts)], dtype=float)
-        trans = {r: np.array([layer.transient_bytes(f, r) * b for layer, f in zip(layers, fmts)], dtype=float)
+        trans = {r: np.array([layer.transient_bytes(f, r, b) for layer, f in zip(layers, fmts)], dtype=float)
                  for r in (False, True)}
         per_level[level] = (
             _seg(_prefix(tm[:, 0])),
@@ -364,7 +368,8 @@ def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) 
     out_b = np.array([0] + [layer.output_bytes for layer in layers], dtype=float)  # out_b[j]: layer j-1
     buf_per = b * (in_b[ii] + out_b[jj])  # one pipe buffer: stage input + stage output
     grad_buf = b * out_b[jj] * (jj < L)
-    step_transient = prob.step_transient_bytes_per_param * _seg(_prefix([layer.params for layer in layers]))
+    step_transient = (prob.step_transient_bytes_per_param * _seg(_prefix([layer.params for layer in layers]))
+                      + prob.step_fixed_bytes)
     t_tab = np.full((p, N, N), _INF)
     opt_tab = np.full((p, N, N), -1, dtype=np.int64)
     min_mem = np.full((p, N, N), _INF)
@@ -649,6 +654,21 @@ def stock_candidates(prob: PlanningProblem, partitions: dict[int, dict[str, list
                         out.append(stock_plan(prob, list(cuts), b, rec, o8, label))
     out.sort(key=lambda pl: pl.predicted_step_time / pl.global_batch)
     return out
+
+
+def best_stock(prob: PlanningProblem, partitions: dict[int, dict[str, list[int]]],
+               optimizer_8bit: bool = True) -> Plan:
+    """The fastest predicted stock configuration that fits (``stock_candidates``).
+
+    Raises:
+        InfeasibleBudgetError: none fits.
+    """
+    for plan in stock_candidates(prob, partitions, optimizer_8bit):
+        if plan_fits(prob, plan):
+            return plan
+    raise InfeasibleBudgetError(
+        f"no stock configuration fits memory_budget={prob.memory_budget} B per stage (partitions "
+        f"{partitions}, micro-batch sizes {prob.micro_batch_sizes})")
 
 
 def plan_fits(prob: PlanningProblem, plan: Plan) -> bool:

@@ -244,10 +244,10 @@ def profile_layers(
                 t, y = _layer_times(mod, x, loss_fn if last else None, labels, device, reps, warmup)
                 rec = per_layer[i]
                 rec["times"].setdefault(fmt, {})[b] = t
+                rec["peak_bytes"].setdefault(fmt, {})[b] = _peak_bytes(mod, x, loss_fn if last else None, labels)
                 if b == micro_batch_sizes[0]:
                     xin = x.detach().requires_grad_(x.is_floating_point())
                     rec["saved_bytes"][fmt] = _saved_bytes(mod, xin, loss_fn if last else None, labels) // b
-                    rec["peak_bytes"][fmt] = _peak_bytes(mod, x, loss_fn if last else None, labels) // b
                     led = measure_storage(mod).groups()
                     rec["weight_bytes"][fmt] = led.get("weights", 0) + led.get("buffers", 0)
                     rec["quant_error"][fmt] = err
@@ -398,8 +398,8 @@ def measure_link(
 # ----------------------------------------------------------------------------------------------
 # Cache
 # ----------------------------------------------------------------------------------------------
-# What a cache file holds; bump when that changes (4: a whole ``runner.Profile`` under "profile", with peak_bytes).
-PROFILE_FORMAT = 4
+# What a cache file holds; bump when that changes (4: a whole ``runner.Profile`` under "profile", with peak_bytes per micro-batch size).
+PROFILE_FORMAT = 5
 
 
 def profile_key(layers: Sequence[nn.Module], **settings) -> str:

@@ -107,9 +107,9 @@ def format_report(result: dict) -> str:
               f"- layer times x{cal['time']['time_scale']:.3f}, engine "
               f"{cal['time']['fixed_per_microbatch_s'] * 1e3:.2f} ms per stage and micro-batch, link latency "
               f"{cal['time']['link_latency_s'] * 1e6:.0f} us",
-              f"- activations x{cal['memory']['activation_scale']:.3f} over the profile, step transient "
-              f"{cal['memory']['step_transient_bytes_per_param']:.2f} B per parameter (before: "
-              f"{cal['memory']['before']})", "", "## Log", ""]
+              f"- activations x{cal['memory']['activation_scale']:.3f} over the profile; around the optimizer "
+              f"step {cal['memory']['step_transient_bytes_per_param']:.2f} B per parameter + "
+              f"{_mib(cal['memory']['step_fixed_bytes'])} MiB per stage", "", "## Log", ""]
     lines += [f"- {m}" for m in result["log"]]
     return "\n".join(lines) + "\n"
 

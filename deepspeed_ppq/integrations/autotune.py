@@ -48,7 +48,8 @@ from deepspeed_ppq.config import PPQConfigError, WeightsConfig, load_ppq_config
 from deepspeed_ppq.integrations.capture import Captured, capturing
 from deepspeed_ppq.integrations.stage import infer_block_layers
 
-__all__ = ["DeepSpeedRunner", "autotune", "model_fingerprint", "layer_specs", "add_parser", "spawn_local"]
+__all__ = ["DeepSpeedRunner", "autotune", "model_fingerprint", "layer_specs", "add_parser", "spawn_local",
+           "layer_kinds", "checkpointable_names"]
 
 # the engine instructions of the step phase (memory is measured per phase)
 _STEP_INSTRUCTIONS = ("ReduceGrads", "ReduceTiedGrads", "OptimizerStep")
@@ -121,12 +122,24 @@ def model_fingerprint(model) -> dict:
     return {"num_layers": len(specs), "layers": [f"{n} {s}" for n, s in layers], "digest": digest}
 
 
-def _kinds(specs: list, block_layers: list[int] | None) -> list[str]:
-    """``embed`` / ``block`` / ``head`` / ``other`` per layer, for the precision policy and recompute."""
+def layer_kinds(specs: list, block_layers: list[int] | None) -> list[str]:
+    """``embed`` / ``block`` / ``head`` / ``other`` per layer, for the precision policy and recompute.
+
+    Layers before the first block are ``embed`` (their input may be token ids: never checkpointed), as
+    is any later layer of an ``embed`` layer's class (a tied embedding used as the head: DeepSpeed's
+    ``checkpointable_layers`` goes by class name)."""
     blocks = set(block_layers or [])
     first, last = (min(blocks), max(blocks)) if blocks else (0, len(specs) - 1)
-    return ["block" if i in blocks else "embed" if i < first else "head" if i > last else "other"
-            for i in range(len(specs))]
+    kinds = ["block" if i in blocks else "embed" if i < first else "head" if i > last else "other"
+             for i in range(len(specs))]
+    embed_names = {_name(s).split("[")[0] for s, k in zip(specs, kinds) if k == "embed"}
+    return ["embed" if _name(s).split("[")[0] in embed_names else k for s, k in zip(specs, kinds)]
+
+
+def checkpointable_names(specs: list, block_layers: list[int] | None) -> list[str]:
+    """Class names DeepSpeed may checkpoint when a stage recomputes: every layer but the ``embed`` ones."""
+    kinds = layer_kinds(specs, block_layers)
+    return sorted({_name(s).split("[")[0] for s, k in zip(specs, kinds) if k != "embed"})
 
 
 def _stack(items: list):
@@ -170,7 +183,7 @@ class DeepSpeedRunner:
         self.weights = weights or WeightsConfig()
         self.block_layers = list(block_layers) if block_layers is not None else (
             getattr(model, "block_layers", None) or infer_block_layers(self.specs))
-        self.kinds = _kinds(self.specs, self.block_layers)
+        self.kinds = layer_kinds(self.specs, self.block_layers)
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         # modules given as objects: trials copy these pristine ones

@@ -22,16 +22,12 @@ from deepspeed_ppq.config import PPQConfigError
 __all__ = ["apply_plan", "plan_module"]
 
 
-def _type_name(spec) -> str:
-    return getattr(getattr(spec, "typename", None), "__name__", None) or type(spec).__name__
-
-
 def plan_module(plan: Plan, specs: list, loss_fn, weights: dict | None = None, block_layers=None,
                 rank: int | None = None, **kwargs):
     """The ``PPQPipelineModule`` of this rank's stage under ``plan``: the plan's boundaries and
     topology, its per-Linear formats (exact rules over ``weights``' other settings), and recomputation
-    (DeepSpeed's ``activation_checkpoint_interval`` on this stage, every layer but the first checkpointed,
-    as the cost model assumes). The tuner's trials and the user's run build it alike.
+    (DeepSpeed's ``activation_checkpoint_interval`` on this stage, every layer but the embedding ones
+    checkpointed, as the cost model assumes). The tuner's trials and the user's run build it alike.
 
     Args:
         weights: ``ppq.weights`` fields to keep (block size, scale dtype, ...); format and rules come
@@ -40,8 +36,12 @@ def plan_module(plan: Plan, specs: list, loss_fn, weights: dict | None = None, b
     """
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
+    from deepspeed_ppq.integrations.autotune import checkpointable_names
     from deepspeed_ppq.integrations.pipe_module import PPQPipelineModule
+    from deepspeed_ppq.integrations.stage import infer_block_layers
 
+    if block_layers is None:
+        block_layers = infer_block_layers(specs)
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else 0
     stage = rank // plan.data_parallel
@@ -51,7 +51,7 @@ def plan_module(plan: Plan, specs: list, loss_fn, weights: dict | None = None, b
         specs, topology=PipeDataParallelTopology(num_pp=plan.pipeline_degree, num_dp=plan.data_parallel),
         boundaries=plan.boundaries, loss_fn=loss_fn, weights=w, block_layers=block_layers,
         activation_checkpoint_interval=1 if plan.stages[stage].recompute else 0,
-        checkpointable_layers=sorted({_type_name(s) for s in specs[1:]}), **kwargs)
+        checkpointable_layers=checkpointable_names(specs, block_layers), **kwargs)
     module.ppq_plan = plan
     return module
 

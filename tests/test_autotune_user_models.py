@@ -1,0 +1,68 @@
+"""The autotuner on models the package does not ship (tests/dist/tune_user_model.py), 2 gloo ranks.
+
+For each model, tuning finishes on DeepSpeed's real pipeline engine, the plan is applied in a fresh
+run of a stock ``PipelineModule`` (``deepspeed_ppq.initialize(..., plan=...)``), and that run holds the
+plan's partition and batch sizes and stays within the budget on its measured peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from dist_utils import ROOT, run_ranks
+
+SCRIPT = ROOT / "tests" / "dist" / "tune_user_model.py"
+TOLERANCE = 0.05  # ppq.autotune.memory_tolerance's default: the budget binds on measured peak + 5%
+
+
+def _check_fresh_run(case: dict) -> None:
+    plan, fresh = case["plan"], case["fresh"]
+    assert fresh["parts"] == plan["derived"]["boundaries"]
+    assert fresh["micro_batch"] == plan["micro_batch_size"]
+    assert fresh["micro_batches"] == plan["num_microbatches"]
+    assert ("8bit" in fresh["optimizer"]) == plan["optimizer_8bit"]
+    assert all(x == x and x < 1e4 for x in fresh["losses"])  # finite
+    assert fresh["peak"]["total"] <= case["budget"] * (1 + TOLERANCE), (fresh["peak"], case["budget"])
+    assert plan["model_fingerprint"]["num_layers"] == len(plan["layer_names"])
+
+
+def _check_report(out: Path) -> None:
+    report = (out / "report.md").read_text()
+    assert "Peak memory per stage, MiB (predicted / measured" in report
+    for category in ("parameters", "gradients", "optimizer", "activations", "temporaries"):
+        assert category in report
+    assert (out / "plan.json").exists() and (out / "tune.json").exists()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tied_gpt_pipeline(tmp_path):
+    """A GPT with a tied embedding/head (``TiedLayerSpec``), tuned without a budget and then with one
+    below what the unconstrained best stock configuration measured."""
+    res = run_ranks(SCRIPT, 2, ["gpt_tied", tmp_path], timeout=900)[0]
+    free, tight = res["free"], res["tight"]
+    assert free["stock_measured"] >= 1 and free["iterations"] >= 1
+    assert tight["budget"] < free["baseline_peak"]  # the budget binds on the unconstrained baseline
+    assert tight["baseline_peak"] <= tight["budget"] * (1 + TOLERANCE)  # the stock baseline fits it
+    for pred, meas in free["memory"]:  # the memory model before any calibration (profile only)
+        assert pred == pytest.approx(meas, rel=0.35)
+    _check_fresh_run(tight)
+    _check_report(tmp_path / "tight")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_uneven_cnn_pipeline_and_errors(tmp_path):
+    """A CNN of uneven conv blocks; a budget below every plan names the smallest one that fits; a
+    one-layer model is refused."""
+    res = run_ranks(SCRIPT, 2, ["cnn", tmp_path], timeout=900)[0]
+    assert res["tiny_budget"].startswith("InfeasibleBudgetError")
+    assert "the smallest budget that fits is" in res["tiny_budget"]
+    assert "a pipeline needs at least 2" in res["one_layer"]
+    assert not (tmp_path / "none" / "plan.json").exists()  # nothing half-written
+    _check_fresh_run(res["tight"])
+    _check_report(tmp_path / "tight")
+    data = json.loads((tmp_path / "tight" / "tune.json").read_text())
+    assert data["fingerprint"]["layers"][0].startswith("ConvBlock")
