@@ -9,7 +9,8 @@ Two levels:
   ``batch_p2p_sync``; the optimizers accept only parameters whose ``tensor.type()`` is
   ``"torch.cuda.{Float,Half,BFloat16}Tensor"``. The shim rewrites ``device="cuda..."`` keyword
   arguments to ``"cpu"`` through a ``TorchFunctionMode``, answers ``tensor.type()`` of a CPU floating
-  tensor with the CUDA type name, and replaces ``torch.cuda.current_device``/``synchronize``.
+  tensor with the CUDA type name, and replaces ``torch.cuda.current_device``/``synchronize`` and the
+  stream functions (megatron-core 0.19's DDP grad sync asks for ``torch.cuda.current_stream()``).
 - :func:`enter_cpu_mode` (what ``python -m megatron_patches.run --cpu`` does for a whole script).
   Megatron-LM's ``megatron/training`` asserts ``torch.cuda.is_available()``, skips model-parallel
   set-up when ``torch.cuda.device_count()`` is 0, moves modules with ``Tensor.cuda()``, builds a DDP
@@ -86,14 +87,15 @@ def cpu_shim() -> Iterator[None]:
     if torch.cuda.is_available():
         yield
         return
-    saved = torch.cuda.current_device, torch.cuda.synchronize
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *a, **k: None
+    saved = {name: getattr(torch.cuda, name) for name in _SHIM_CUDA}
+    for name in _SHIM_CUDA:
+        setattr(torch.cuda, name, _TORCH_CUDA[name])
     try:
         with _CudaToCpu():
             yield
     finally:
-        torch.cuda.current_device, torch.cuda.synchronize = saved
+        for name, value in saved.items():
+            setattr(torch.cuda, name, value)
 
 
 def seed_cpu_rng_tracker(seed: int, *_ignored, **_kw) -> None:
@@ -171,6 +173,9 @@ class _Stream:
     def query(self) -> bool:
         return True
 
+    def is_capturing(self) -> bool:
+        return False
+
     def elapsed_time(self, *a) -> float:
         return 0.0
 
@@ -216,7 +221,17 @@ _TORCH_CUDA = {
     "set_rng_state_all": _returning(None),
     "manual_seed": _returning(None),
     "manual_seed_all": _returning(None),
+    "is_current_stream_capturing": _returning(False),
 }
+
+# torch.accelerator (a CUDA build of PyTorch names CUDA there; torch.optim asks it for the stream).
+_TORCH_ACCELERATOR = {
+    "current_stream": _returning(_Stream),
+    "synchronize": _returning(None),
+}
+
+# What cpu_shim() replaces for a schedule call (0.19 also asks DDP's grad sync for the current stream).
+_SHIM_CUDA = ("current_device", "synchronize", "current_stream", "stream", "Stream", "Event")
 
 # Megatron functions replaced in CPU mode: (module, attribute) -> replacement. A module that is not
 # importable (megatron.legacy exists only in a Megatron-LM checkout) is skipped.
@@ -242,9 +257,15 @@ def enter_cpu_mode() -> None:
     """
     if _SAVED:
         return
-    for name, value in _TORCH_CUDA.items():
-        _SAVED[("torch.cuda", name)] = getattr(torch.cuda, name)
-        setattr(torch.cuda, name, value)
+    from ._compat import check_megatron_version
+
+    check_megatron_version("CPU mode")
+    for mod_name, table in (("torch.cuda", _TORCH_CUDA), ("torch.accelerator", _TORCH_ACCELERATOR)):
+        mod = importlib.import_module(mod_name)
+        for name, value in table.items():
+            if hasattr(mod, name):
+                _SAVED[(mod_name, name)] = getattr(mod, name)
+                setattr(mod, name, value)
     for (mod_name, attr), value in _MEGATRON.items():
         try:
             mod = importlib.import_module(mod_name)

@@ -45,7 +45,9 @@ from megatron.core.pipeline_parallel import schedules as _schedules
 
 from deepspeed_ppq.config import CodecConfig, PPQConfig, load_ppq_config
 
-from ._compat import check_megatron_version
+from ._compat import check_megatron_version, check_patch_points
+
+check_patch_points("compressed P2P")  # the class below subclasses P2PCommunicator: say what is missing
 
 __all__ = [
     "PPQP2PCommunicator",

@@ -83,11 +83,28 @@ def test_what_megatron_cannot_carry_is_refused():
 
 def test_untested_megatron_version_fails_loudly(monkeypatch):
     monkeypatch.delenv(_compat.ALLOW_UNTESTED_ENV, raising=False)
-    with pytest.raises(RuntimeError, match="tested with megatron-core 0.16.1 but megatron-core 0.12.0"):
+    with pytest.raises(RuntimeError, match="tested with megatron-core 0.16.1, 0.19.2 but megatron-core 0.12.0"
+                       ):
         _compat.check_megatron_version("compressed P2P", "0.12.0")
     monkeypatch.setenv(_compat.ALLOW_UNTESTED_ENV, "1")
     assert _compat.check_megatron_version("compressed P2P", "0.12.0") == "0.12.0"
     assert _compat.megatron_version() in _compat.TESTED_MEGATRON_VERSIONS
+
+
+def test_missing_patch_point_fails_at_start_up(monkeypatch):
+    """Every patch point exists in the installed megatron-core; one taken away is named."""
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    for patch in _compat.PATCH_POINTS:
+        assert _compat.missing_patch_points(patch) == []
+        _compat.check_megatron_version(patch)
+    monkeypatch.delattr(schedules, "forward_backward_pipelining_with_interleaving")
+    monkeypatch.delattr(p2p_communication.P2PCommunicator, "_communicate_shapes")
+    pp = r"megatron\.core\.pipeline_parallel\."
+    want = (rf"the compressed P2P patch needs {pp}p2p_communication\.P2PCommunicator\._communicate_shapes, "
+            rf"{pp}schedules\.forward_backward_pipelining_with_interleaving, which megatron-core")
+    with pytest.raises(RuntimeError, match=want):
+        _compat.check_megatron_version("compressed P2P")
 
 
 def test_prepare_strips_ppq_flags_and_adds_te_fp8_flags():
