@@ -1,119 +1,90 @@
-"""``ppq tune --config`` and ``autotune(config=...)``: every ``ppq.autotune`` field reaches the spec."""
+"""The one tuner config, ``ppq.autotune``: validated at load, every field reaches the loop, and
+``ppq tune``'s flags are generated from it."""
 
 from __future__ import annotations
 
 import argparse
-import json
-from dataclasses import asdict
 
 import pytest
 
-from deepspeed_ppq.autotune.cli import CONFIG_TO_SPEC, spec_fields_from_config, spec_from_args
-from deepspeed_ppq.autotune.costs import NO_CODEC, CodecOption
-from deepspeed_ppq.autotune.loop import TuneSpec, _problem, master_free_supported
-from deepspeed_ppq.config import AutotuneConfig
-
-# a value different from both AutotuneConfig's and TuneSpec's default for every field
-NON_DEFAULT = {
-    "memory_budget_gb": 0.5,
-    "val_loss_tolerance": 0.02,
-    "max_iterations": 5,
-    "trial_steps": 7,
-    "micro_batch_sizes": [2, 8],
-    "schedules": ["1f1b"],  # the only schedule the engine runs; checked separately below
-    "allow_recompute": False,
-    "min_gradient_bits": 4,
-    "min_activation_bits": 6,
-    "profile_cache": "/tmp/profile.json",
-    "formats": ["int8", "fp8_e4m3"],
-    "master_free": master_free_supported(),  # True once quant has master-free layers
-    "activation_codecs": [{"method": "none"}, {"method": "quant", "bits": 6}],
-    "gradient_codecs": [{"method": "none"}, {"method": "fp8", "granularity": "sample"}],
-    "pipeline_degrees": [2],
-    "optimizer_8bit": False,
-    "global_batch": 24,
-}
-EXPECTED = {
-    "memory_budget": 2**29,
-    "activation_codecs": [{"method": "none"}, {"method": "quant", "bits": 6}],
-    "gradient_codecs": [{"method": "none"}, {"method": "fp8", "granularity": "sample"}],
-}
+from deepspeed_ppq.autotune.costs import NO_CODEC, CodecOption, LayerProfile, LinkModel
+from deepspeed_ppq.autotune.loop import TuningError, build_problem, default_micro_batch_sizes
+from deepspeed_ppq.autotune.runner import Profile
+from deepspeed_ppq.config import AutotuneConfig, PPQConfigError, load_ppq_config, parse_bytes
 
 
-def test_every_autotune_field_is_mapped():
-    assert set(CONFIG_TO_SPEC) == set(AutotuneConfig.model_fields), "map new AutotuneConfig fields"
-    assert set(NON_DEFAULT) == set(AutotuneConfig.model_fields)
-    spec_fields = {f for f in TuneSpec.__dataclass_fields__}
-    assert {target for target, _ in CONFIG_TO_SPEC.values()} <= spec_fields
+def _profile() -> Profile:
+    layer = LayerProfile(name="0", kind="block", param_numels=[4096], quantizable_params=4096,
+                         allowed_formats=["none", "int8"], times={"none": {1: [1e-3, 1e-3, 1e-3]},
+                                                                  "int8": {1: [1e-3, 1e-3, 1e-3]}},
+                         weight_bytes={"none": 16384, "int8": 4160}, saved_bytes={"none": 512, "int8": 512},
+                         input_bytes=256, output_bytes=256)
+    q6 = CodecOption.make({"method": "quant", "bits": 6}, wire_ratio=0.2, bits=6)
+    q2 = CodecOption.make({"method": "quant", "bits": 2}, wire_ratio=0.07, bits=2)
+    return Profile(layers=[layer] * 4, codecs=[NO_CODEC, q6, q2], link=LinkModel(),
+                   optimizer_costs={"adam": 1e-9, "adam8bit": 2e-9}, step_transient_bytes_per_param=4.0)
 
 
-def _args(tmp_path, cfg, **flags):
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(cfg))
-    ns = dict(config=str(path), spec=None, global_batch=None, out_dir=None, budget_mb=None, formats=None,
-              model=None)
-    ns.update(flags)
-    return argparse.Namespace(**ns)
+def test_sizes_in_bytes_or_with_units():
+    assert parse_bytes("21MiB") == 21 * 2**20 and parse_bytes("1.5 GiB") == int(1.5 * 2**30)
+    assert parse_bytes(1000) == 1000 and parse_bytes("2MB") == 2_000_000
+    assert load_ppq_config({"autotune": {"memory_budget": "512KiB"}}).autotune.memory_budget == 512 * 1024
+    with pytest.raises(PPQConfigError, match=r"ppq.autotune.memory_budget='lots'.*units"):
+        load_ppq_config({"autotune": {"memory_budget": "lots"}})
+    with pytest.raises(PPQConfigError, match=r"memory_budget=-5.*positive"):
+        load_ppq_config({"autotune": {"memory_budget": -5}})
 
 
-def test_config_fields_reach_the_spec(tmp_path):
-    cfg = {"train_batch_size": 8, "ppq": {"weights": {"keep_first_blocks": 2}, "autotune": NON_DEFAULT}}
-    spec = spec_from_args(_args(tmp_path, cfg))
-    d = asdict(spec)
-    for name, (target, _) in CONFIG_TO_SPEC.items():
-        want = EXPECTED.get(target, NON_DEFAULT[name])
-        assert d[target] == want, name
-        if name not in ("schedules", "master_free"):
-            assert want != asdict(TuneSpec())[target], f"{name}: pick a non-default test value"
-    assert d["weights"]["keep_first_blocks"] == 2 and "format" not in d["weights"]
-    # flags and --spec override the config
-    spec_file = tmp_path / "spec.json"
-    spec_file.write_text(json.dumps({"trial_steps": 3}))
-    spec = spec_from_args(_args(tmp_path, cfg, spec=str(spec_file), global_batch=12, budget_mb=64))
-    assert (spec.trial_steps, spec.global_batch, spec.memory_budget) == (3, 12, 64 * 2**20)
-    # fields left at None in the config keep the spec's defaults
-    spec = spec_from_args(_args(tmp_path, {"ppq": {}}))
-    assert spec.memory_budget is None and spec.global_batch == TuneSpec().global_batch
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("micro_batch_sizes", [0, -2], r"micro_batch_sizes=\[0, -2\].*positive integers"),
+    ("pipeline_degrees", [], r"pipeline_degrees=\[\].*positive integers"),
+    ("schedules", ["zigzag"], r"schedules.0='zigzag'.*'1f1b'"),
+    ("formats", ["int3"], r"formats.0='int3'"),
+    ("seeds", 0, r"seeds=0"),
+    ("memory_tolerance", 2, r"memory_tolerance=2"),
+])
+def test_bad_values_fail_at_load_naming_the_field(field, value, message):
+    with pytest.raises(PPQConfigError, match=message):
+        load_ppq_config({"autotune": {field: value}})
 
 
-def test_config_codecs_are_the_planners_candidates():
-    """The codec dicts the config gives are found among the profiled options and filtered by bits."""
-    d = spec_fields_from_config({"autotune": NON_DEFAULT})
-    spec = TuneSpec(**d)
-    profiled = [
-        CodecOption.make({"method": "none"}, bits=32),
-        CodecOption.make({"method": "quant", "bits": 6}, bits=6),
-        CodecOption.make({"method": "fp8", "granularity": "sample"}, bits=8),
-    ]
-    prob = _problem(spec, 2, [], profiled, None, {"adam": 0.0})
-    assert [c.label for c in prob.activation_codecs] == ["none", "quant6"]
-    assert [c.label for c in prob.gradient_codecs] == ["none", "fp8"]
-    assert prob.optimizer_8bit == [False] and prob.pipeline_degrees == [2] and prob.schedules == ["1f1b"]
-    assert prob.global_batch == 24 and prob.micro_batch_sizes == [2, 8] and not prob.allow_recompute
-    only6 = [{"method": "quant", "bits": 6}]
-    strict = TuneSpec(**{**d, "min_activation_bits": 8, "activation_codecs": only6})
-    with pytest.raises(ValueError, match="at least 8 bits"):
-        _problem(strict, 2, [], profiled, None, {"adam": 0.0})
-    assert NO_CODEC.label == "none"
+def test_warmup_must_leave_timed_steps():
+    with pytest.raises(PPQConfigError, match=r"warmup_steps=4 must be below trial_steps=4"):
+        load_ppq_config({"autotune": {"trial_steps": 4, "warmup_steps": 4}})
 
 
-def test_autotune_validates_config_fields_before_starting_ranks():
-    from deepspeed_ppq.autotune import autotune
+def test_settings_reach_the_planning_problem():
+    s = AutotuneConfig(memory_budget="3MiB", micro_batch_sizes=[1, 2], pipeline_degrees=[2],
+                       allow_recompute=False, optimizer_8bit=False, master_free=False, min_activation_bits=4,
+                       activation_codecs=[{"method": "none"}, {"method": "quant", "bits": 6},
+                                          {"method": "quant", "bits": 2}])
+    prob = build_problem(s, world_size=2, global_batch=8, profile=_profile())
+    assert prob.memory_budget == 3 * 2**20 and prob.micro_batch_sizes == [1, 2]
+    assert prob.pipeline_degrees == [2] and not prob.allow_recompute
+    assert prob.optimizer_8bit == [False] and prob.master_free == [False]
+    assert [c.label for c in prob.activation_codecs] == ["none", "quant6"]  # 2 bits < min_activation_bits
+    assert prob.optimizer_cost_ratio == {"adam8bit": 2.0} and prob.step_transient_bytes_per_param == 4.0
+    assert default_micro_batch_sizes(24) == [1, 2, 3, 4, 6, 8, 12]
+    strict = s.model_copy(update={"min_activation_bits": 8,
+                                  "activation_codecs": [s.activation_codecs[1]]})
+    with pytest.raises(TuningError, match=r"activation_codecs: no candidate has at least 8 bits"):
+        build_problem(strict, 2, 8, _profile())
 
-    with pytest.raises(ValueError, match="schedules=.*gpipe"):
-        autotune(config={"autotune": {"schedules": ["gpipe"]}})
-    with pytest.raises(TypeError, match="no_such_field"):
-        autotune(config={"autotune": NON_DEFAULT}, no_such_field=1)
 
+def test_ppq_tune_flags_are_generated_from_the_config():
+    from deepspeed_ppq.integrations.autotune import _overrides, _settings_flags
 
-@pytest.mark.skipif(master_free_supported(), reason="quant has master-free layers")
-def test_master_free_refused_clearly_until_quant_supports_it(tmp_path):
-    with pytest.raises(ValueError, match="master_free=True.*fp32 master"):
-        spec_from_args(_args(tmp_path, {"ppq": {"autotune": {"master_free": True}}}))
-
-
-def test_spec_refuses_schedules_the_engine_cannot_run():
-    with pytest.raises(ValueError, match="schedules=.*gpipe.*only '1f1b'"):
-        TuneSpec(schedules=["1f1b", "gpipe"])
-    with pytest.raises(ValueError, match="activation_codecs=\\[\\]"):
-        TuneSpec(activation_codecs=[])
+    p = argparse.ArgumentParser()
+    names = _settings_flags(p)
+    flagged = set(names)
+    codec_fields = {"activation_codecs", "gradient_codecs"}  # nested objects: set them in the JSON
+    assert flagged == set(AutotuneConfig.model_fields) - codec_fields
+    ns = p.parse_args(["--micro-batch-sizes", "1,4", "--optimizer-8bit", "false", "--seeds", "5",
+                       "--memory-budget", "40MiB", "--formats", "int8,nf4"])
+    ns.budget_mb = None
+    got = _overrides(ns, names)
+    cfg = load_ppq_config({"autotune": got}).autotune
+    assert cfg.micro_batch_sizes == [1, 4] and cfg.optimizer_8bit is False and cfg.seeds == 5
+    assert cfg.memory_budget == 40 * 2**20 and [f.value for f in cfg.formats] == ["int8", "nf4"]
+    ns.budget_mb = 12.5
+    assert _overrides(ns, names)["memory_budget"] == int(12.5 * 2**20)
