@@ -34,13 +34,13 @@ test-quick: setup
 	DS_ACCELERATOR=cpu $(PY) -m pytest -q -m "not distributed and not slow" tests
 
 demo: setup
-	DS_ACCELERATOR=cpu $(PY) -m deepspeed_ppq.demo $(DEMO_ARGS)
+	DS_ACCELERATOR=cpu $(PY) examples/demo/run_demo.py $(DEMO_ARGS)
 
 # Every benchmark, each against its baseline in the same run; results land in benchmarks/results/.
 # They take long on 2 cores and want a quiet machine (check `uptime`).
 BENCHES := ops/bench_weights.py quant/bench_adam8bit.py quant/bench_master_free.py p2p/bench_codecs.py \
            sim/bench_simulator.py autotune/bench_planner.py p2p/bench_pipeline_comm.py sim/validate_runtime.py \
-           autotune/bench_tune.py e2e/bench_quality.py e2e/bench_e2e.py
+           autotune/bench_tune.py e2e/bench_quality.py
 
 bench: setup
 	for b in $(BENCHES); do echo "== $$b"; DS_ACCELERATOR=cpu $(PY) benchmarks/$$b || exit 1; done

@@ -300,7 +300,11 @@ class AutotuneConfig(_Model):
     stock_trials: int = Field(
         3, ge=1, description="stock DeepSpeed configurations measured (the best predicted that fit)")
     ab_repeats: int = Field(
-        0, ge=0, description="extra alternating baseline/plan runs after acceptance (timing noise)")
+        2, ge=0, description="alternating baseline/plan runs after acceptance; the speedup is the ratio of "
+        "their medians (0: the first measurements, taken at different times)")
+    ladder: bool = Field(
+        False, description="after acceptance, measure the rungs from the stock configuration to the plan "
+        "one feature at a time (low-bit weights, fill, re-balanced boundaries, codecs)")
     out_dir: str = Field("ppq_tune", description="where plan.json, report.md and tune.json go")
 
     @field_validator("memory_budget", mode="before")

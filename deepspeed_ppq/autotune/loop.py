@@ -27,7 +27,7 @@ import statistics
 import time
 
 from deepspeed_ppq.autotune import calibrate
-from deepspeed_ppq.autotune.costs import CodecOption, LayerProfile
+from deepspeed_ppq.autotune.costs import NO_CODEC, CodecOption, LayerProfile
 from deepspeed_ppq.autotune.gate import MIN_SEEDS, QualityGate
 from deepspeed_ppq.autotune.memory import coarse, fmt_mib
 from deepspeed_ppq.autotune.plan import Plan
@@ -41,7 +41,10 @@ from deepspeed_ppq.autotune.planner import (
 )
 from deepspeed_ppq.autotune.runner import Profile, TrialResult, TuningRunner
 
-__all__ = ["tune", "summarize", "build_problem", "back_off", "default_micro_batch_sizes", "TuningError"]
+__all__ = [
+    "tune", "summarize", "build_problem", "back_off", "default_micro_batch_sizes", "ladder_plans", "same_configuration",
+    "measured_bubble", "TuningError",
+]
 
 
 class TuningError(RuntimeError):
@@ -175,6 +178,71 @@ def back_off(plan: Plan, problem: PlanningProblem) -> str | None:
             setattr(problem, attr, [c for c in cands if c is not worst])
             return f"{attr}: {worst.label} removed"
     return None
+
+
+_COMPUTE = ("ForwardPass", "BackwardPass", "LoadMicroBatch", "OptimizerStep", "ReduceGrads", "ReduceTiedGrads")
+
+
+def measured_bubble(run: dict) -> float:
+    """Idle fraction of the step, averaged over stages: the step minus each stage's compute
+    instructions (the rest is waiting on sends and receives, i.e. the pipeline bubble and transfers)."""
+    step = run["measured_step_time"]
+    idle = [max(0.0, 1 - sum(st["measured_instructions_per_step"].get(k, 0.0) for k in _COMPUTE) / step)
+            for st in run["stages"]]
+    return statistics.mean(idle) if idle and step > 0 else 0.0
+
+
+def same_configuration(a: Plan, b: Plan) -> bool:
+    """Whether two plans run the same: partition, micro-batches, formats, recomputation, optimizer,
+    master-free weights and codecs (predictions and notes aside)."""
+    def key(p: Plan):
+        return (p.boundaries, p.micro_batch_size, p.num_microbatches, p.layer_formats,
+                [s.recompute for s in p.stages], p.optimizer_8bit, p.master_free, p.activation_codec,
+                p.gradient_codec, p.schedule)
+
+    return key(a) == key(b)
+
+
+def ladder_plans(problem: PlanningProblem, base: Plan, tuned: Plan) -> list[tuple[str, Plan]]:
+    """The rungs between the best stock configuration and the tuned plan, one feature at a time:
+    low-bit weights (and the tuned plan's optimizer states) at the stock schedule and partition; then
+    the tuned micro-batches and recomputation (the freed memory spent on fill) at the stock partition;
+    then the tuned partition (re-balanced for the stages' new costs); then the tuned codecs. A rung
+    the model cannot express (a format the tuned optimizer setting does not allow) is left out."""
+    from deepspeed_ppq.autotune.planner import Knobs, StageChoice, _to_plan, evaluate_stages
+
+    low = [f for f in tuned.layer_formats if f != "none"]
+    level = max(set(low), key=low.count) if low else "none"
+
+    def make(label, p, b, m, bounds, recompute, codecs: bool):
+        act = next((c for c in problem.activation_codecs if c.as_dict == tuned.activation_codec), NO_CODEC)
+        grad = next((c for c in problem.gradient_codecs if c.as_dict == tuned.gradient_codec), NO_CODEC)
+        k = Knobs(p, b, m, tuned.schedule, act if codecs else NO_CODEC, grad if codecs else NO_CODEC,
+                  tuned.optimizer_8bit, tuned.master_free)
+        stages = [StageChoice(i, j, level, r) for (i, j), r in zip(zip(bounds, bounds[1:]), recompute)]
+        return _to_plan(problem, k, stages, evaluate_stages(problem, k, stages), [label])
+
+    rungs = []
+    rec_base = [sp.recompute for sp in base.stages]
+    rec_tuned = [sp.recompute for sp in tuned.stages]
+    try:
+        rungs.append(("+ low-bit weights and optimizer states at the stock schedule",
+                      make("ladder: low-bit", base.pipeline_degree, base.micro_batch_size, base.num_microbatches,
+                           base.boundaries, rec_base, False)))
+        if tuned.pipeline_degree == base.pipeline_degree:
+            rungs.append(("+ freed memory spent on fill (micro-batches, recomputation)",
+                          make("ladder: fill", base.pipeline_degree, tuned.micro_batch_size,
+                               tuned.num_microbatches, base.boundaries, rec_tuned, False)))
+        rungs.append(("+ re-balanced stage boundaries",
+                      make("ladder: re-balanced", tuned.pipeline_degree, tuned.micro_batch_size,
+                           tuned.num_microbatches, tuned.boundaries, rec_tuned, False)))
+    except ValueError:  # a level the optimizer setting does not allow: no intermediate rungs
+        rungs = []
+    if tuned.activation_codec != {"method": "none"} or tuned.gradient_codec != {"method": "none"}:
+        rungs.append(("+ compressed boundaries (the tuned plan)", tuned))
+    elif rungs:
+        rungs[-1] = (rungs[-1][0] + " (the tuned plan)", tuned)
+    return rungs
 
 
 class _Gate:
@@ -346,9 +414,16 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
 
     ab = {"baseline": [base_run["measured_step_time"]], "tuned": []}
     chosen, outcome = base, "baseline"
-    if accepted is not None:
+    if accepted is not None and same_configuration(accepted[0], base):
+        note("the tuned plan is the best stock configuration itself: nothing to gain over it")
+        accepted_same = True
+    else:
+        accepted_same = False
+    if accepted is not None and not accepted_same:
         plan, run = accepted
         ab["tuned"].append(run["measured_step_time"])
+        if settings.ab_repeats:  # alternate, and compare only these: load drifts hit both alike
+            ab = {"baseline": [], "tuned": []}
         for _ in range(settings.ab_repeats):
             ab["baseline"].append(runner.run_trial(base, settings, seed=0).step_time)
             ab["tuned"].append(runner.run_trial(plan, settings, seed=0).step_time)
@@ -362,6 +437,21 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         else:
             note(f"the plan passed the checks but ran no faster than the best stock configuration "
                  f"({t_base * 1e3:.1f} vs {t_tuned * 1e3:.1f} ms): the stock configuration is the plan")
+    ladder = []
+    if settings.ladder and accepted is not None and not accepted_same:
+        ladder.append({"rung": "best stock configuration", "plan": base.to_dict(), "run": base_run})
+        previous = base
+        for label, rung in ladder_plans(problem, base, accepted[0]):
+            if same_configuration(rung, previous):
+                continue  # this feature changes nothing here
+            previous = rung
+            rung.model_fingerprint = fingerprint
+            run = accepted[1] if rung is accepted[0] else summarize(rung, runner.run_trial(rung, settings, seed=0))
+            ladder.append({"rung": label, "plan": rung.to_dict(), "run": run})
+            note(f"ladder: {label}: {run['measured_step_time'] * 1e3:.1f} ms, peak {fmt_mib(run['peak_memory'])}, "
+                 f"val loss {run['val_loss']:.4f}")
+    for rec in ladder:
+        rec["bubble"] = measured_bubble(rec["run"])
     if chosen is base:
         base.measured_step_time = statistics.median(ab["baseline"])
         base.measured_memory = [st["measured_memory"] for st in base_run["stages"]]
@@ -383,6 +473,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         "outcome": outcome,
         "plan": chosen.to_dict(),
         "ab_step_times": ab,
+        "ladder": ladder,
         "log": log,
         "seconds": time.perf_counter() - t_start,
     }

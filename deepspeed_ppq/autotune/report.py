@@ -73,7 +73,9 @@ def format_report(result: dict) -> str:
                  f"{result['world_size']}, global batch {result['global_batch']}, budget "
                  f"{_mib(budget)} MiB per stage (+{s['memory_tolerance']:.0%} tolerance, measured peak).")
     lines.append("")
-    if result["accepted"]:
+    if result["accepted"] and not ab["tuned"]:
+        lines.append("**The best stock configuration is the plan**: no tuned configuration was predicted faster.")
+    elif result["accepted"]:
         t_base, t_tuned = statistics.median(ab["baseline"]), statistics.median(ab["tuned"])
         lines.append(f"**Result: {t_base / t_tuned:.2f}x samples/s** over the best measured stock DeepSpeed "
                      f"configuration ({t_base * 1e3:.1f} -> {t_tuned * 1e3:.1f} ms per step, medians of "
@@ -82,6 +84,22 @@ def format_report(result: dict) -> str:
         lines.append("**No plan passed the checks** (see the iterations).")
     if result.get("outcome") == "baseline":
         lines += ["", "plan.json holds the best stock configuration: no tuned plan ran faster."]
+    if result.get("ladder"):
+        t0 = result["ladder"][0]["run"]["measured_step_time"]
+        lines += ["", "## The ladder: one feature at a time", "",
+                  "| rung | samples/s | vs stock | bubble | peak MiB per stage | val loss | configuration |",
+                  "|---|---|---|---|---|---|---|"]
+        for rec in result["ladder"]:
+            run, plan = rec["run"], Plan.from_dict(rec["plan"])
+            peaks = " / ".join(_mib(st["measured_memory"]["total"]) for st in run["stages"])
+            conf = (f"p={plan.pipeline_degree} {plan.boundaries}, {plan.micro_batch_size}x{plan.num_microbatches}"
+                    f", {'/'.join(sorted(set(plan.layer_formats)))}{', master-free' if plan.master_free else ''}"
+                    f"{', 8-bit Adam' if plan.optimizer_8bit else ''}, recompute "
+                    f"{''.join('1' if sp.recompute else '0' for sp in plan.stages)}, codecs "
+                    f"{plan.activation_codec.get('method')}/{plan.gradient_codec.get('method')}")
+            lines.append(f"| {rec['rung']} | {run['samples_per_second']:.1f} | "
+                         f"{t0 / run['measured_step_time']:.2f}x | {rec['bubble']:.1%} | {peaks} | "
+                         f"{run['val_loss']:.4f} | {conf} |")
     g = result["gate"]
     lines += ["", f"Quality gate: baseline validation loss {g.get('mean', 0):.4f} over "
               f"{len(g.get('losses', []))} seed(s), spread {g.get('spread', 0):.4f}, limit "

@@ -145,7 +145,7 @@ def ds_config(out: str, budget: int | None, **autotune) -> dict:
             "weights": {"keep_first_blocks": 1, "keep_last_blocks": 1},
             "autotune": {"memory_budget": budget, "trial_steps": 4, "warmup_steps": 1, "seeds": 1,
                          "stock_trials": 2, "val_batches": 2, "profile_reps": 2, "max_iterations": 2,
-                         "pipeline_degrees": [2], "micro_batch_sizes": [1, 2, 4], "formats": ["int8"],
+                         "pipeline_degrees": [2], "micro_batch_sizes": [1, 2, 4], "formats": ["int8"], "ab_repeats": 0,
                          "out_dir": out, **autotune},
         },
     }
