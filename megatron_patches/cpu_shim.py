@@ -224,8 +224,11 @@ _TORCH_CUDA = {
     "is_current_stream_capturing": _returning(False),
 }
 
-# torch.accelerator (a CUDA build of PyTorch names CUDA there; torch.optim asks it for the stream).
+# torch.accelerator tells the truth: no accelerator (a CUDA build of PyTorch would name CUDA there and
+# then torch.optim asks CUDA for the stream, the DataLoader pins memory on it).
 _TORCH_ACCELERATOR = {
+    "is_available": _returning(False),
+    "current_accelerator": _returning(None),
     "current_stream": _returning(_Stream),
     "synchronize": _returning(None),
 }
