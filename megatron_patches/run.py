@@ -199,13 +199,20 @@ def _launcher_flags(argv: list[str]) -> tuple[bool, list[str]]:
     return cpu, argv
 
 
-def _print_bytes_on_wire() -> None:
-    from .p2p import bytes_on_wire, format_bytes_on_wire
-
-    lines = format_bytes_on_wire(bytes_on_wire())
+def _closing_report() -> None:
+    """Per rank: the bytes it sent across each boundary and its low-bit layers (when patched)."""
     rank = os.environ.get("RANK", "0")
-    for line in lines:
-        print(f"megatron_patches.run: rank {rank} bytes on the wire, {line}", flush=True)
+    if "megatron_patches.p2p" in sys.modules:
+        from .p2p import bytes_on_wire, format_bytes_on_wire
+
+        for line in format_bytes_on_wire(bytes_on_wire()):
+            print(f"megatron_patches.run: rank {rank} bytes on the wire, {line}", flush=True)
+    if "megatron_patches.layers" in sys.modules:
+        from .layers import live_quant_layers
+
+        layers = live_quant_layers()
+        formats = ", ".join(sorted({m.format.value for m in layers})) or "-"
+        print(f"megatron_patches.run: rank {rank} low-bit layers: {len(layers)} ({formats})", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -247,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         install_compressed_p2p(cfg)  # codec none: the tensors themselves, counted
     sys.argv = [script, *rest]
     runpy.run_path(script, run_name="__main__")
-    _print_bytes_on_wire()
+    _closing_report()
 
 
 if __name__ == "__main__":
