@@ -48,8 +48,8 @@ def tune_at(budget_mb: float, settings: dict, out: Path, ab_repeats: int) -> dic
                     f"{plan['master_free']} 8-bit {plan['optimizer_8bit']}",
             "baseline_ms": t_base * 1e3, "tuned_ms": t_tuned * 1e3, "speedup": t_base / t_tuned,
             "baseline_peak_mb": r["baseline"]["run"]["peak_memory"] / 2**20,
-            "tuned_peak_mb": max(m["total"] for m in plan["measured_memory"]) / 2**20 if plan["measured_memory"]
-            else None}
+            "tuned_peak_mb": (max(m["total"] for m in plan["measured_memory"]) / 2**20
+                              if plan["measured_memory"] else None)}
 
 
 def main() -> int:
@@ -68,13 +68,15 @@ def main() -> int:
             print(json.dumps(rows[-1]), flush=True)
     ok = [r for r in rows if "speedup" in r]
     md = ["# Budget sweep: tuned plan vs the best measured stock configuration", "",
-          f"Machine: {machine()}", "", "| budget MiB | best stock (measured) | stock ms | tuned plan | tuned ms | "
-          "speedup | peaks MiB (stock / tuned) |", "|---|---|---|---|---|---|---|"]
+          f"Machine: {machine()}", "",
+          "| budget MiB | best stock (measured) | stock ms | tuned plan | tuned ms | speedup | "
+          "peaks MiB (stock / tuned) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             md.append(f"| {r['budget_mb']:g} | {r['error']} | | | | | |")
             continue
-        md.append(f"| {r['budget_mb']:g} | {r['baseline'].removeprefix('stock: ')} | {r['baseline_ms']:.1f} | "
+        stock = r["baseline"].removeprefix("stock: ")
+        md.append(f"| {r['budget_mb']:g} | {stock} | {r['baseline_ms']:.1f} | "
                   f"{r['plan'] if r['outcome'] == 'tuned' else '(stock stands)'} | {r['tuned_ms']:.1f} | "
                   f"{r['speedup']:.2f}x | {r['baseline_peak_mb']:.1f} / {r['tuned_peak_mb'] or 0:.1f} |")
     if ok:

@@ -42,7 +42,8 @@ from deepspeed_ppq.autotune.planner import (
 from deepspeed_ppq.autotune.runner import Profile, TrialResult, TuningRunner
 
 __all__ = [
-    "tune", "summarize", "build_problem", "back_off", "default_micro_batch_sizes", "ladder_plans", "same_configuration",
+    "tune", "summarize", "build_problem", "back_off", "default_micro_batch_sizes", "ladder_plans",
+    "same_configuration",
     "measured_bubble", "TuningError",
 ]
 
@@ -180,7 +181,8 @@ def back_off(plan: Plan, problem: PlanningProblem) -> str | None:
     return None
 
 
-_COMPUTE = ("ForwardPass", "BackwardPass", "LoadMicroBatch", "OptimizerStep", "ReduceGrads", "ReduceTiedGrads")
+_COMPUTE = ("ForwardPass", "BackwardPass", "LoadMicroBatch", "OptimizerStep", "ReduceGrads",
+            "ReduceTiedGrads")
 
 
 def measured_bubble(run: dict) -> float:
@@ -227,8 +229,8 @@ def ladder_plans(problem: PlanningProblem, base: Plan, tuned: Plan) -> list[tupl
     rec_tuned = [sp.recompute for sp in tuned.stages]
     try:
         rungs.append(("+ low-bit weights and optimizer states at the stock schedule",
-                      make("ladder: low-bit", base.pipeline_degree, base.micro_batch_size, base.num_microbatches,
-                           base.boundaries, rec_base, False)))
+                      make("ladder: low-bit", base.pipeline_degree, base.micro_batch_size,
+                           base.num_microbatches, base.boundaries, rec_base, False)))
         if tuned.pipeline_degree == base.pipeline_degree:
             rungs.append(("+ freed memory spent on fill (micro-batches, recomputation)",
                           make("ladder: fill", base.pipeline_degree, tuned.micro_batch_size,
@@ -334,7 +336,8 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
             "cannot be measured; raise the budget to the smallest stock need "
             f"({fmt_mib(min(max(sp.peak_memory for sp in c.stages) for c in cands))})")
     measured, runs, tried = [], [], set()
-    while len(measured) < 2 * settings.stock_trials and sum(m["fits"] for m in measured) < settings.stock_trials:
+    while (len(measured) < 2 * settings.stock_trials
+           and sum(m["fits"] for m in measured) < settings.stock_trials):
         cands = stock_candidates(problem, partitions, optimizer_8bit=settings.optimizer_8bit)
         plan = next((c for c in cands if plan_fits(problem, c) and c.notes[0] not in tried), None)
         if plan is None:
@@ -369,8 +372,8 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         run["calibrated_step_time"] = cal["step_time"]
     note(f"calibration: layer times x{time_cal['time_scale']:.3f}, engine "
          f"{time_cal['fixed_per_microbatch_s'] * 1e3:.2f} ms per stage and micro-batch; activations "
-         f"x{mem_cal['activation_scale']:.3f}, around the step {mem_cal['step_transient_bytes_per_param']:.1f} "
-         f"B/param + {fmt_mib(mem_cal['step_fixed_bytes'])}")
+         f"x{mem_cal['activation_scale']:.3f}, around the step "
+         f"{mem_cal['step_transient_bytes_per_param']:.1f} B/param + {fmt_mib(mem_cal['step_fixed_bytes'])}")
 
     # quality noise: the baseline over seeds
     seed_runs = [base_run]
@@ -446,10 +449,13 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
                 continue  # this feature changes nothing here
             previous = rung
             rung.model_fingerprint = fingerprint
-            run = accepted[1] if rung is accepted[0] else summarize(rung, runner.run_trial(rung, settings, seed=0))
+            if rung is accepted[0]:
+                run = accepted[1]
+            else:
+                run = summarize(rung, runner.run_trial(rung, settings, seed=0))
             ladder.append({"rung": label, "plan": rung.to_dict(), "run": run})
-            note(f"ladder: {label}: {run['measured_step_time'] * 1e3:.1f} ms, peak {fmt_mib(run['peak_memory'])}, "
-                 f"val loss {run['val_loss']:.4f}")
+            note(f"ladder: {label}: {run['measured_step_time'] * 1e3:.1f} ms, peak "
+                 f"{fmt_mib(run['peak_memory'])}, val loss {run['val_loss']:.4f}")
     for rec in ladder:
         rec["bubble"] = measured_bubble(rec["run"])
     if chosen is base:

@@ -225,7 +225,8 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
     mem["buffers"] = n_buf * b * (layers[0].input_bytes + layers[-1].output_bytes) + b * grad_buf
     mem["activations"] = int(mem["activations"] * prob.activation_scale)
     mem["buffers"] = int(mem["buffers"] * prob.activation_scale)
-    transient = prob.step_transient_bytes_per_param * sum(layer.params for layer in layers) + prob.step_fixed_bytes
+    params = sum(layer.params for layer in layers)
+    transient = prob.step_transient_bytes_per_param * params + prob.step_fixed_bytes
     mem["temporaries"] = int(max(0.0, transient - mem["activations"]))
     return mem
 

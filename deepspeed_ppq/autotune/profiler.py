@@ -221,7 +221,8 @@ def profile_layers(
     decisions = {f: _decisions(layers, kinds, weights_cfg, f) for f in formats}
     profiles: list[LayerProfile] = []
     per_layer: list[dict] = [
-        {"times": {}, "weight_bytes": {}, "saved_bytes": {}, "peak_bytes": {}, "quant_error": {}, "nq": 0} for _ in layers
+        {"times": {}, "weight_bytes": {}, "saved_bytes": {}, "peak_bytes": {}, "quant_error": {}, "nq": 0}
+        for _ in layers
     ]
     allowed = [
         [f for f in formats if any(n.startswith(f"{i}.") and v != "none" for n, v in decisions[f].items())]
@@ -244,7 +245,8 @@ def profile_layers(
                 t, y = _layer_times(mod, x, loss_fn if last else None, labels, device, reps, warmup)
                 rec = per_layer[i]
                 rec["times"].setdefault(fmt, {})[b] = t
-                rec["peak_bytes"].setdefault(fmt, {})[b] = _peak_bytes(mod, x, loss_fn if last else None, labels)
+                peak = _peak_bytes(mod, x, loss_fn if last else None, labels)
+                rec["peak_bytes"].setdefault(fmt, {})[b] = peak
                 if b == micro_batch_sizes[0]:
                     xin = x.detach().requires_grad_(x.is_floating_point())
                     rec["saved_bytes"][fmt] = _saved_bytes(mod, xin, loss_fn if last else None, labels) // b
@@ -319,7 +321,8 @@ def optimizer_costs(n: int = 1 << 20, reps: int = 5, device: torch.device | str 
     """Optimizer step seconds per parameter by kind, on an ``n``-value weight (median of ``reps``).
 
     Kinds (what ``planner.optimizer_kind_of`` charges each parameter):
-      - ``adam``: ``torch.optim.Adam`` with fp32 states, as the engines run it;
+      - ``adam``: ``torch.optim.Adam`` with fp32 states, fused (the fastest torch has), as the tuner's
+        trials and plans run it;
       - ``adam8bit``: bitsandbytes ``Adam8bit`` (its CPU backend is plain PyTorch ops: ~40x fp32 Adam);
       - ``master_free`` / ``master_free_8bit``: a master-free int8 ``QuantLinear``'s update (dequantize,
         AdamW, stochastic-rounding re-quantize) with fp32 or 8-bit states.
@@ -338,7 +341,7 @@ def optimizer_costs(n: int = 1 << 20, reps: int = 5, device: torch.device | str 
         p = nn.Parameter(torch.randn(side, side, device=dev) * 0.02)
         p.grad = torch.randn_like(p) * 1e-3
         try:
-            opt = build_optimizer([p], kind, lr=1e-3)
+            opt = build_optimizer([p], kind, lr=1e-3, fused=True)
         except ImportError:
             continue
         out[kind] = _median_time(opt.step, dev, reps, 1) / n
@@ -398,7 +401,8 @@ def measure_link(
 # ----------------------------------------------------------------------------------------------
 # Cache
 # ----------------------------------------------------------------------------------------------
-# What a cache file holds; bump when that changes (4: a whole ``runner.Profile`` under "profile", with peak_bytes per micro-batch size).
+# What a cache file holds; bump when that changes (5: a whole ``runner.Profile`` under "profile", with
+# peak_bytes per micro-batch size).
 PROFILE_FORMAT = 5
 
 

@@ -34,11 +34,12 @@ def _plan_section(title: str, plan: dict, run: dict, budget: int | None) -> list
     out.append(f"- weights {sorted(set(p.layer_formats))}, master-free {p.master_free}, 8-bit Adam "
                f"{p.optimizer_8bit}, recompute {[s.recompute for s in p.stages]}")
     out.append(f"- codecs: activations {p.activation_codec}, gradients {p.gradient_codec}")
-    out.append(f"- step time: predicted {p.predicted_step_time * 1e3:.1f} ms, measured "
-               f"{run['measured_step_time'] * 1e3:.1f} ms ({_pct(p.predicted_step_time, run['measured_step_time'])});"
-               f" calibrated {run['calibrated_step_time'] * 1e3:.1f} ms" if "calibrated_step_time" in run else
-               f"- step time: predicted {p.predicted_step_time * 1e3:.1f} ms, measured "
-               f"{run['measured_step_time'] * 1e3:.1f} ms ({_pct(p.predicted_step_time, run['measured_step_time'])})")
+    t_meas = run["measured_step_time"]
+    line = (f"- step time: predicted {p.predicted_step_time * 1e3:.1f} ms, measured {t_meas * 1e3:.1f} ms "
+            f"({_pct(p.predicted_step_time, t_meas)})")
+    if "calibrated_step_time" in run:
+        line += f"; calibrated {run['calibrated_step_time'] * 1e3:.1f} ms"
+    out.append(line)
     out.append(f"- validation loss {run['val_loss']:.4f}")
     out += ["", f"Peak memory per stage, MiB (predicted / measured; budget {_mib(budget)}):", "",
             "| stage | layers | " + " | ".join(CATEGORIES) + " | total | error |",
@@ -74,7 +75,8 @@ def format_report(result: dict) -> str:
                  f"{_mib(budget)} MiB per stage (+{s['memory_tolerance']:.0%} tolerance, measured peak).")
     lines.append("")
     if result["accepted"] and not ab["tuned"]:
-        lines.append("**The best stock configuration is the plan**: no tuned configuration was predicted faster.")
+        lines.append("**The best stock configuration is the plan**: no tuned configuration was predicted "
+                     "faster.")
     elif result["accepted"]:
         t_base, t_tuned = statistics.median(ab["baseline"]), statistics.median(ab["tuned"])
         lines.append(f"**Result: {t_base / t_tuned:.2f}x samples/s** over the best measured stock DeepSpeed "
@@ -92,8 +94,10 @@ def format_report(result: dict) -> str:
         for rec in result["ladder"]:
             run, plan = rec["run"], Plan.from_dict(rec["plan"])
             peaks = " / ".join(_mib(st["measured_memory"]["total"]) for st in run["stages"])
-            conf = (f"p={plan.pipeline_degree} {plan.boundaries}, {plan.micro_batch_size}x{plan.num_microbatches}"
-                    f", {'/'.join(sorted(set(plan.layer_formats)))}{', master-free' if plan.master_free else ''}"
+            conf = (f"p={plan.pipeline_degree} {plan.boundaries}, "
+                    f"{plan.micro_batch_size}x{plan.num_microbatches}, "
+                    f"{'/'.join(sorted(set(plan.layer_formats)))}"
+                    f"{', master-free' if plan.master_free else ''}"
                     f"{', 8-bit Adam' if plan.optimizer_8bit else ''}, recompute "
                     f"{''.join('1' if sp.recompute else '0' for sp in plan.stages)}, codecs "
                     f"{plan.activation_codec.get('method')}/{plan.gradient_codec.get('method')}")
@@ -105,7 +109,8 @@ def format_report(result: dict) -> str:
               f"{len(g.get('losses', []))} seed(s), spread {g.get('spread', 0):.4f}, limit "
               f"{g.get('limit', 0):.4f}.", ""]
     lines += ["## Stock search (what a DeepSpeed user can set)", "",
-              "| configuration | predicted ms | predicted peak MiB | measured ms | measured peak MiB | fits |",
+              "| configuration | predicted ms | predicted peak MiB | measured ms | measured peak MiB "
+              "| fits |",
               "|---|---|---|---|---|---|"]
     measured = {m["plan"]["notes"][0]: m for m in result["stock"]["measured"]}
     for c in result["stock"]["candidates"][:12]:
@@ -113,9 +118,11 @@ def format_report(result: dict) -> str:
         lines.append(f"| {c['notes'][0].removeprefix('stock: ')} | {c['predicted_step_time'] * 1e3:.1f} | "
                      f"{_mib(c['predicted_peak'])} | "
                      + (f"{m['run']['measured_step_time'] * 1e3:.1f} | {_mib(m['run']['peak_memory'])} | "
-                        f"{'yes' if m['fits'] else 'no'} |" if m else f"- | - | {'(yes)' if c['fits'] else 'no'} |"))
+                        f"{'yes' if m['fits'] else 'no'} |" if m
+                        else f"- | - | {'(yes)' if c['fits'] else 'no'} |"))
     lines.append("")
-    lines += _plan_section("Baseline: the best measured stock configuration", base["plan"], base["run"], budget)
+    lines += _plan_section("Baseline: the best measured stock configuration", base["plan"], base["run"],
+                           budget)
     for rec in result["iterations"]:
         verdict = "accepted" if rec["accepted"] else f"rejected ({rec.get('back_off') or 'over budget'})"
         lines += _plan_section(f"Iteration {rec['iteration']}: {verdict}", rec["plan"], rec["run"], budget)
@@ -125,8 +132,8 @@ def format_report(result: dict) -> str:
               f"- layer times x{cal['time']['time_scale']:.3f}, engine "
               f"{cal['time']['fixed_per_microbatch_s'] * 1e3:.2f} ms per stage and micro-batch, link latency "
               f"{cal['time']['link_latency_s'] * 1e6:.0f} us",
-              f"- activations x{cal['memory']['activation_scale']:.3f} over the profile; around the optimizer "
-              f"step {cal['memory']['step_transient_bytes_per_param']:.2f} B per parameter + "
+              f"- activations x{cal['memory']['activation_scale']:.3f} over the profile; around the "
+              f"optimizer step {cal['memory']['step_transient_bytes_per_param']:.2f} B per parameter + "
               f"{_mib(cal['memory']['step_fixed_bytes'])} MiB per stage", "", "## Log", ""]
     lines += [f"- {m}" for m in result["log"]]
     return "\n".join(lines) + "\n"

@@ -128,8 +128,9 @@ class PPQPipelineModule(PipelineModule):
             plan = load_plan(cfg.plan_file)
             plan.check_model(model_fingerprint(list(layers)), f"plan file {cfg.plan_file}")
             kwargs.pop("recompute_stages", None)
-            return plan_module(plan, list(layers), kwargs.pop("loss_fn", None), cfg.weights.model_dump(mode="json"),
-                               kwargs.pop("block_layers", None), **kwargs)
+            return plan_module(plan, list(layers), kwargs.pop("loss_fn", None),
+                               cfg.weights.model_dump(mode="json"), kwargs.pop("block_layers", None),
+                               **kwargs)
         part = cfg.partition
         kwargs.setdefault("weights", cfg.weights)
         return cls(layers, num_stages, boundaries=part.boundaries, partition_method=part.method, **kwargs)

@@ -118,7 +118,7 @@ def apply_plan(plan: Plan | str, model, optimizer, ds_config: dict, args=None):
     opt = None
     if optimizer is not None or plan.optimizer_8bit or ds_config.get("optimizer"):
         params = [p for p in new.parameters() if p.requires_grad]
-        opt = build_optimizer(params, kind + ("8bit" if plan.optimizer_8bit else ""), **hp)
+        opt = build_optimizer(params, kind + ("8bit" if plan.optimizer_8bit else ""), fused=True, **hp)
     cfg = {k: v for k, v in ds_config.items() if k not in ("optimizer", "train_batch_size",
                                                            "train_micro_batch_size_per_gpu",
                                                            "gradient_accumulation_steps")}
