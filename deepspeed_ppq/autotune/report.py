@@ -15,7 +15,7 @@ from pathlib import Path
 from deepspeed_ppq.autotune.memory import CATEGORIES, MIB
 from deepspeed_ppq.autotune.plan import Plan
 
-__all__ = ["format_report", "write_outputs"]
+__all__ = ["format_report", "write_outputs", "memory_errors"]
 
 
 def _mib(n: float | None) -> str:
@@ -60,6 +60,24 @@ def _plan_section(title: str, plan: dict, run: dict, budget: int | None) -> list
                    f"{ins.get('ForwardPass', 0) * 1e3:.1f} | {ins.get('BackwardPass', 0) * 1e3:.1f} | "
                    f"{ins.get('OptimizerStep', 0) * 1e3:.1f} | {comm * 1e3:.1f} |")
     return out + [""]
+
+
+def memory_errors(result: dict) -> dict[str, list[float]]:
+    """|predicted - measured| / measured of every stage's peak: ``before`` calibration (the stock
+    trials, each predicted with what the earlier ones taught) and ``after`` (the plans and the ladder)."""
+    def errs(runs):
+        seen, out = set(), []
+        for run in runs:
+            key = tuple(run["step_times"])  # the ladder's last rung is the accepted iteration's run
+            if key not in seen:
+                seen.add(key)
+                out += [abs(st["predicted_memory_total"] - m) / m
+                        for st in run["stages"] if (m := st["measured_memory"]["total"])]
+        return out
+
+    before = errs(m["run"] for m in result["stock"]["measured"])
+    after = errs([r["run"] for r in result["iterations"]] + [r["run"] for r in result.get("ladder", [])[1:]])
+    return {"before": before, "after": after}
 
 
 def format_report(result: dict) -> str:
@@ -127,6 +145,13 @@ def format_report(result: dict) -> str:
         verdict = "accepted" if rec["accepted"] else f"rejected ({rec.get('back_off') or 'over budget'})"
         lines += _plan_section(f"Iteration {rec['iteration']}: {verdict}", rec["plan"], rec["run"], budget)
         lines += [f"Quality: {rec['quality']}", ""]
+    errs = memory_errors(result)
+    if errs["after"]:
+        lines += [f"Memory model: predicted vs measured peak per stage, |error| median "
+                  f"{statistics.median(errs['after']):.1%}, max {max(errs['after']):.1%} over "
+                  f"{len(errs['after'])} stage measurements after calibration (before: median "
+                  f"{statistics.median(errs['before']):.1%}, max {max(errs['before']):.1%} over "
+                  f"{len(errs['before'])}).", ""] if errs["before"] else []
     cal = result["calibration"]
     lines += ["## Calibration", "",
               f"- layer times x{cal['time']['time_scale']:.3f}, engine "
