@@ -260,6 +260,9 @@ class AutotuneConfig(_Model):
     val_loss_tolerance: float = Field(
         0.01, ge=0, description="relative validation-loss slack of a plan over the baseline's mean")
     seeds: int = Field(3, ge=1, description="baseline runs (seeds) that measure validation-loss noise")
+    quality_steps: int = Field(
+        40, ge=1, description="optimizer steps of each quality run (the baseline's seeds and each plan's "
+        "check): long enough that the seeds' spread of validation loss is below the tolerance")
     max_iterations: int = Field(3, ge=1, description="plans tried after the baseline before giving up")
     trial_steps: int = Field(10, ge=2, description="optimizer steps per trial run")
     warmup_steps: int = Field(2, ge=1, description="trial steps left out of the timing")

@@ -61,7 +61,8 @@ def _two_ranks(script, args, tmp_path, timeout=600) -> list[str]:
 @pytest.mark.slow
 def test_tune_the_example_script_then_train_with_the_plan(tmp_path):
     autotune = {"trial_steps": 4, "warmup_steps": 1, "seeds": 1, "stock_trials": 2, "val_batches": 2,
-                "profile_reps": 2, "max_iterations": 1, "pipeline_degrees": [2], "ab_repeats": 0}
+                "profile_reps": 2, "max_iterations": 1, "pipeline_degrees": [2], "ab_repeats": 0,
+                "quality_steps": 4}
     cfg = _config(tmp_path, autotune=autotune)
     out = tmp_path / "tuned"
     res = _ppq("tune", EXAMPLE, "--deepspeed_config", cfg, *MODEL_ARGS, "--budget-mb", "64", "--out", out)

@@ -375,12 +375,14 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
          f"x{mem_cal['activation_scale']:.3f}, around the step "
          f"{mem_cal['step_transient_bytes_per_param']:.1f} B/param + {fmt_mib(mem_cal['step_fixed_bytes'])}")
 
-    # quality noise: the baseline over seeds
-    seed_runs = [base_run]
-    for seed in range(1, settings.seeds):
-        seed_runs.append(summarize(base, runner.run_trial(base, settings, seed=seed)))
-    gate = _make_gate([r["val_loss"] for r in seed_runs], settings.val_loss_tolerance)
-    note("baseline val loss over seeds: " + ", ".join(f"{r['val_loss']:.4f}" for r in seed_runs))
+    # quality noise: the baseline over seeds, each trained quality_steps steps (timing trials are short)
+    def quality(plan: Plan, seed: int) -> float:
+        return runner.run_trial(plan, settings, seed=seed, steps=settings.quality_steps).val_loss
+
+    seed_losses = [quality(base, s) for s in range(settings.seeds)]
+    gate = _make_gate(seed_losses, settings.val_loss_tolerance)
+    note(f"baseline val loss after {settings.quality_steps} steps over {settings.seeds} seed(s): "
+         + ", ".join(f"{v:.4f}" for v in seed_losses))
 
     # 4-5. plan, measure, decide
     iterations, accepted = [], None
@@ -390,7 +392,9 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         run = summarize(plan, runner.run_trial(plan, settings, seed=0))
         run["simulated"] = simulate_plan(problem, plan)
         over = _over_budget(settings, run)
-        ok_q, why = _gate_check(gate, run["val_loss"])
+        if not over:
+            run["quality_val_loss"] = quality(plan, 0)
+        ok_q, why = _gate_check(gate, run.get("quality_val_loss", run["val_loss"]))
         rec = {"iteration": it, "plan": plan.to_dict(), "run": run, "over_budget": over,
                "quality": why, "accepted": ok_q and not over}
         note(f"iteration {it}: boundaries {plan.boundaries}, micro-batch {plan.micro_batch_size} x "
@@ -442,6 +446,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
                  f"({t_base * 1e3:.1f} vs {t_tuned * 1e3:.1f} ms): the stock configuration is the plan")
     ladder = []
     if settings.ladder and accepted is not None and not accepted_same:
+        base_run["quality_val_loss"] = seed_losses[0]
         ladder.append({"rung": "best stock configuration", "plan": base.to_dict(), "run": base_run})
         previous = base
         for label, rung in ladder_plans(problem, base, accepted[0]):
@@ -453,9 +458,11 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
                 run = accepted[1]
             else:
                 run = summarize(rung, runner.run_trial(rung, settings, seed=0))
+                run["quality_val_loss"] = quality(rung, 0)
             ladder.append({"rung": label, "plan": rung.to_dict(), "run": run})
             note(f"ladder: {label}: {run['measured_step_time'] * 1e3:.1f} ms, peak "
-                 f"{fmt_mib(run['peak_memory'])}, val loss {run['val_loss']:.4f}")
+                 f"{fmt_mib(run['peak_memory'])}, val loss "
+                 f"{run.get('quality_val_loss', run['val_loss']):.4f}")
     for rec in ladder:
         rec["bubble"] = measured_bubble(rec["run"])
     if chosen is base:
@@ -471,7 +478,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
                                   "predicted_peak": max(sp.peak_memory for sp in c.stages),
                                   "fits": plan_fits(problem, c)} for c in cands[:20]],
                   "measured": measured},
-        "baseline": {"plan": base.to_dict(), "run": base_run, "seeds": [r["val_loss"] for r in seed_runs]},
+        "baseline": {"plan": base.to_dict(), "run": base_run, "seeds": seed_losses},
         "gate": gate.to_dict(),
         "calibration": {"time": time_cal, "memory": mem_cal},
         "iterations": iterations,

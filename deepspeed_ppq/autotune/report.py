@@ -40,7 +40,9 @@ def _plan_section(title: str, plan: dict, run: dict, budget: int | None) -> list
     if "calibrated_step_time" in run:
         line += f"; calibrated {run['calibrated_step_time'] * 1e3:.1f} ms"
     out.append(line)
-    out.append(f"- validation loss {run['val_loss']:.4f}")
+    q = run.get("quality_val_loss")
+    out.append(f"- validation loss {run['val_loss']:.4f} after the timing trial"
+               + (f", {q:.4f} after the quality run" if q is not None else ""))
     out += ["", f"Peak memory per stage, MiB (predicted / measured; budget {_mib(budget)}):", "",
             "| stage | layers | " + " | ".join(CATEGORIES) + " | total | error |",
             "|---|---|" + "---|" * (len(CATEGORIES) + 2)]
@@ -121,7 +123,7 @@ def format_report(result: dict) -> str:
                     f"{plan.activation_codec.get('method')}/{plan.gradient_codec.get('method')}")
             lines.append(f"| {rec['rung']} | {run['samples_per_second']:.1f} | "
                          f"{t0 / run['measured_step_time']:.2f}x | {rec['bubble']:.1%} | {peaks} | "
-                         f"{run['val_loss']:.4f} | {conf} |")
+                         f"{run.get('quality_val_loss', run['val_loss']):.4f} | {conf} |")
     g = result["gate"]
     lines += ["", f"Quality gate: baseline validation loss {g.get('mean', 0):.4f} over "
               f"{len(g.get('losses', []))} seed(s), spread {g.get('spread', 0):.4f}, limit "

@@ -133,8 +133,9 @@ class TuningRunner(Protocol):
     def stock_partitions(self, pipeline_degree: int) -> dict[str, list[int]]:
         """Stage boundaries ``[0, ..., L]`` by each stock partition method (``"parameters"``, ...)."""
 
-    def run_trial(self, plan: Plan, settings, seed: int = 0) -> TrialResult:
-        """Train ``plan`` for ``settings.trial_steps`` steps and measure it."""
+    def run_trial(self, plan: Plan, settings, seed: int = 0, steps: int | None = None) -> TrialResult:
+        """Train ``plan`` for ``settings.trial_steps`` steps and measure time and memory; with ``steps``,
+        a quality run: that many steps, then the validation loss (memory not measured)."""
 
     def share(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""

@@ -40,7 +40,7 @@ from torch import nn
 
 from deepspeed_ppq.autotune import profiler
 from deepspeed_ppq.autotune.loop import codec_dict, tune
-from deepspeed_ppq.autotune.memory import StageMemTracker
+from deepspeed_ppq.autotune.memory import CATEGORIES, StageMemTracker
 from deepspeed_ppq.autotune.plan import Plan
 from deepspeed_ppq.autotune.report import write_outputs
 from deepspeed_ppq.autotune.runner import Profile, StageMeasurement, TrialResult
@@ -279,7 +279,7 @@ class DeepSpeedRunner:
     def _trial_specs(self) -> list:
         return [copy.deepcopy(s) if isinstance(s, nn.Module) else s for s in self._pristine]
 
-    def run_trial(self, plan: Plan, settings, seed: int = 0) -> TrialResult:
+    def run_trial(self, plan: Plan, settings, seed: int = 0, steps: int | None = None) -> TrialResult:
         import deepspeed_ppq
         from deepspeed_ppq.integrations.plan_apply import plan_module
 
@@ -328,19 +328,23 @@ class DeepSpeedRunner:
             engine.train_batch(iter(data))
             times.append(time.perf_counter() - t0)
 
-        for k in range(settings.trial_steps):
+        n = steps or settings.trial_steps
+        for k in range(n):
             timing[0] = k >= settings.warmup_steps
             step(k)
         timing[0] = False
-        # memory: two more steps under the tracker (it slows every op, so it times nothing), its peak
-        # kept apart for the pipeline (forward, backward, sends) and the step (reduce, optimizer)
-        tracker.track_external(module, optimizer, *_engine_tensors(engine))
-        with tracker:
-            for k in range(settings.trial_steps, settings.trial_steps + 2):
-                step(k)
-        memory = tracker.peak()
-        memory["phases"] = tracker.phase_peaks()
-        times = times[: settings.trial_steps]
+        if steps is None:
+            # memory: two more steps under the tracker (it slows every op, so it times nothing), its peak
+            # kept apart for the pipeline (forward, backward, sends) and the step (reduce, optimizer)
+            tracker.track_external(module, optimizer, *_engine_tensors(engine))
+            with tracker:
+                for k in range(n, n + 2):
+                    step(k)
+            memory = tracker.peak()
+            memory["phases"] = tracker.phase_peaks()
+        else:  # a quality run: validation loss after ``steps`` steps, memory not measured
+            memory = dict.fromkeys((*CATEGORIES, "total"), 0)
+        times = times[:n]
         val_order = list(range(len(self.val_data)))
         losses = []
         for k in range(settings.val_batches):
@@ -349,8 +353,8 @@ class DeepSpeedRunner:
             losses.append(float(loss) if loss is not None else 0.0)
         val = torch.tensor(statistics.mean(losses))
         dist.all_reduce(val, op=dist.ReduceOp.MAX)  # the last stage holds the loss, the others 0
-        mine = {"stage": stage, "times": times, "instructions": {k: v / (settings.trial_steps -
-                settings.warmup_steps) for k, v in instr.items()}, "memory": memory,
+        mine = {"stage": stage, "times": times, "instructions": {k: v / (n - settings.warmup_steps)
+                                                                 for k, v in instr.items()}, "memory": memory,
                 "device_max": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
                 "wire": {f"{k[0]}.{k[1]}": v for k, v in engine.ppq_stats().items()}}
         gathered = [None] * world

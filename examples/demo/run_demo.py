@@ -37,7 +37,8 @@ SCRIPT = ROOT / "examples" / "train_gpt_pipe.py"
 # micro-batches or recomputation. Master-free int8 blocks (1 B codes, no fp32 master) free 3 B per block
 # parameter more: room for larger micro-batches.
 FULL = {"model": ["--n-layers", "12", "--d-model", "256", "--seq-len", "32"], "budget_mb": 72,
-        "autotune": {"trial_steps": 8, "warmup_steps": 2, "seeds": 3, "val_loss_tolerance": 0.02,
+        "autotune": {"trial_steps": 8, "warmup_steps": 2, "seeds": 3, "quality_steps": 60,
+                     "val_loss_tolerance": 0.03,
                      "stock_trials": 3, "val_batches": 4, "profile_reps": 3, "max_iterations": 3,
                      "pipeline_degrees": [2], "ab_repeats": 2, "ladder": True},
         "train_steps": 30}
@@ -45,6 +46,7 @@ QUICK = {"model": ["--n-layers", "6", "--d-model", "128", "--seq-len", "32", "--
          "budget_mb": 16,
          "autotune": {"trial_steps": 4, "warmup_steps": 1, "seeds": 1, "stock_trials": 2, "val_batches": 2,
                       "profile_reps": 2, "max_iterations": 2, "pipeline_degrees": [2], "ab_repeats": 0,
+                      "quality_steps": 4,
                       "ladder": True},
          "train_steps": 6}
 
@@ -68,15 +70,18 @@ def _config(out: Path, settings: dict, budget_mb: float, plan_file: str | None =
 def _run(cmd: list[str], log: Path) -> None:
     env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), PYTHONPATH=str(ROOT))
     print("$ " + " ".join(cmd), flush=True)
+    tail: list[str] = []
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              cwd=ROOT)
-        f.write(proc.stdout)
-    for line in proc.stdout.splitlines():
-        if line.startswith(("[ppq tune]", "step time", "ppq tune:")):
-            print("  " + line, flush=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                cwd=ROOT)
+        for line in proc.stdout:  # progress as it happens; everything goes to the log
+            f.write(line)
+            tail = (tail + [line])[-40:]
+            if line.startswith(("[ppq tune]", "step time", "ppq tune:")):
+                print("  " + line.rstrip(), flush=True)
+        proc.wait()
     if proc.returncode:
-        raise SystemExit(f"failed (exit {proc.returncode}); its output is in {log}:\n{proc.stdout[-3000:]}")
+        raise SystemExit(f"failed (exit {proc.returncode}); its output is in {log}:\n{''.join(tail)}")
 
 
 def _free_port() -> int:

@@ -146,6 +146,7 @@ def ds_config(out: str, budget: int | None, **autotune) -> dict:
             "autotune": {"memory_budget": budget, "trial_steps": 4, "warmup_steps": 1, "seeds": 1,
                          "stock_trials": 2, "val_batches": 2, "profile_reps": 2, "max_iterations": 2,
                          "pipeline_degrees": [2], "micro_batch_sizes": [1, 2, 4], "formats": ["int8"], "ab_repeats": 0,
+                         "quality_steps": 4,
                          "out_dir": out, **autotune},
         },
     }
