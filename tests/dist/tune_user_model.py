@@ -5,8 +5,9 @@ Usage (through tests/dist_utils.run_ranks, 2 ranks): ``tune_user_model.py <model
 
 * ``gpt_tied``: a GPT-like ``PipelineModule`` written here: a tied token embedding (``TiedLayerSpec``:
   the same module embeds the tokens and, through ``forward_fn``, computes the logits), learned
-  positions, six pre-norm transformer blocks, a final norm. It is tuned twice: once without a budget, then with a
-  budget below the best stock configuration's measured peak, which that configuration cannot meet;
+  positions, six pre-norm transformer blocks, a final norm. It is tuned twice: once without a budget,
+  then with a budget below the best stock configuration's measured peak, which that configuration
+  cannot meet;
 * ``cnn``: a CNN of uneven conv blocks (channels 8 -> 16 -> 32 -> 64, strides 1 and 2), a pooling
   layer and a classifier, on generated images; tuned with a budget, plus the error cases: a budget below
   every plan, a one-layer model.
@@ -93,8 +94,9 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def gpt_tied_specs():
-    return [TiedLayerSpec("embed", TokenEmbedding), LayerSpec(AddPosition), *[LayerSpec(Block) for _ in range(6)],
-            LayerSpec(nn.LayerNorm, D), TiedLayerSpec("embed", TokenEmbedding, forward_fn=tied_logits)]
+    return [TiedLayerSpec("embed", TokenEmbedding), LayerSpec(AddPosition),
+            *[LayerSpec(Block) for _ in range(6)], LayerSpec(nn.LayerNorm, D),
+            TiedLayerSpec("embed", TokenEmbedding, forward_fn=tied_logits)]
 
 
 class ConvBlock(nn.Module):
@@ -145,7 +147,8 @@ def ds_config(out: str, budget: int | None, **autotune) -> dict:
             "weights": {"keep_first_blocks": 1, "keep_last_blocks": 1},
             "autotune": {"memory_budget": budget, "trial_steps": 4, "warmup_steps": 1, "seeds": 1,
                          "stock_trials": 2, "val_batches": 2, "profile_reps": 2, "max_iterations": 2,
-                         "pipeline_degrees": [2], "micro_batch_sizes": [1, 2, 4], "formats": ["int8"], "ab_repeats": 0,
+                         "pipeline_degrees": [2], "micro_batch_sizes": [1, 2, 4], "formats": ["int8"],
+                         "ab_repeats": 0,
                          "quality_steps": 4,
                          "out_dir": out, **autotune},
         },
@@ -156,7 +159,8 @@ def fresh_run(specs, loss, data, config: dict, plan_path: str) -> dict:
     """The plan applied to a stock PipelineModule built with DeepSpeed's uniform partition."""
     model = PipelineModule(layers=specs, num_stages=2, loss_fn=loss, partition_method="uniform")
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    engine, _, _, _ = deepspeed_ppq.initialize(model=model, optimizer=optimizer, config=config, plan=plan_path)
+    engine, _, _, _ = deepspeed_ppq.initialize(model=model, optimizer=optimizer, config=config,
+                                               plan=plan_path)
     b, m = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     order = list(range(len(data)))
 
