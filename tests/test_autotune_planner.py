@@ -24,21 +24,13 @@ from deepspeed_ppq.autotune.planner import (
 
 FORMATS = {"none": 1.0, "int8": 0.25, "nf4": 0.14}
 
-def deepspeed_partitions(prob, method: str) -> dict[int, dict[str, list[int]]]:
-    """DeepSpeed's own cut of the problem's layers by ``method`` at the largest pipeline degree."""
-    from deepspeed.runtime import utils as ds_utils
+def baseline_plan(prob, method: str = "parameters", optimizer_8bit: bool = False):
+    """The fastest stock configuration with DeepSpeed's ``method`` partition at the largest degree."""
+    from deepspeed_ppq.integrations.autotune import deepspeed_partitions
 
     p = max(prob.degrees())
-    if method == "parameters":
-        cuts = ds_utils.partition_balanced([layer.params for layer in prob.layers], p)
-    else:
-        cuts = ds_utils.partition_uniform(len(prob.layers), p)
-    return {p: {method: [int(x) for x in cuts]}}
-
-
-def baseline_plan(prob, method: str = "parameters", optimizer_8bit: bool = False):
-    """The fastest stock configuration with DeepSpeed's ``method`` partition."""
-    return best_stock(prob, deepspeed_partitions(prob, method), optimizer_8bit)
+    cuts = deepspeed_partitions([layer.params for layer in prob.layers], p)[method]
+    return best_stock(prob, {p: {method: cuts}}, optimizer_8bit)
 
 
 

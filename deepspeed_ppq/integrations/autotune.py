@@ -49,7 +49,7 @@ from deepspeed_ppq.integrations.capture import Captured, capturing
 from deepspeed_ppq.integrations.stage import infer_block_layers
 
 __all__ = ["DeepSpeedRunner", "autotune", "model_fingerprint", "layer_specs", "add_parser", "spawn_local",
-           "layer_kinds", "checkpointable_names"]
+           "layer_kinds", "checkpointable_names", "deepspeed_partitions"]
 
 # the engine instructions of the step phase (memory is measured per phase)
 _STEP_INSTRUCTIONS = ("ReduceGrads", "ReduceTiedGrads", "OptimizerStep")
@@ -157,6 +157,23 @@ def _batches(dataset, order: list[int], b: int, start: int, count: int) -> list:
     return [_stack([dataset[order[(start + k * b + j) % n]] for j in range(b)]) for k in range(count)]
 
 
+def deepspeed_partitions(param_counts: list[int], pipeline_degree: int, block_layers: list[int] | None = None,
+                         block_class: str | None = None) -> dict[str, list[int]]:
+    """How DeepSpeed's ``PipelineModule`` cuts layers into ``pipeline_degree`` stages by each of its
+    partition methods: ``uniform``, ``parameters`` (balanced parameter counts) and, with the blocks
+    given, ``type:<block_class>`` (balanced block counts); cuts that leave a stage empty are dropped."""
+    from deepspeed.runtime import utils as ds_utils
+
+    L, p = len(param_counts), pipeline_degree
+    out = {"uniform": ds_utils.partition_uniform(L, p),
+           "parameters": ds_utils.partition_balanced(list(param_counts), p)}
+    if block_layers:
+        blocks = set(block_layers)
+        out[f"type:{block_class}"] = ds_utils.partition_balanced([int(i in blocks) for i in range(L)], p)
+    out = {k: [int(x) for x in v] for k, v in out.items()}
+    return {k: v for k, v in out.items() if all(a < b for a, b in zip(v, v[1:]))}
+
+
 # ----------------------------------------------------------------------------------------------
 # The runner
 # ----------------------------------------------------------------------------------------------
@@ -205,17 +222,9 @@ class DeepSpeedRunner:
 
     def stock_partitions(self, pipeline_degree: int) -> dict[str, list[int]]:
         """DeepSpeed's own ``uniform``, ``parameters`` and ``type:<block class>`` cuts."""
-        from deepspeed.runtime import utils as ds_utils
-
-        L, p = len(self.specs), pipeline_degree
-        out = {"uniform": [int(x) for x in ds_utils.partition_uniform(L, p)]}
         counts = [sum(q.numel() for q in m.parameters()) for m in _build_all(self.specs, device="meta")]
-        out["parameters"] = [int(x) for x in ds_utils.partition_balanced(counts, p)]
-        if self.block_layers:
-            cls = _name(self.specs[self.block_layers[0]]).split("[")[0]
-            binary = [1 if i in set(self.block_layers) else 0 for i in range(L)]
-            out[f"type:{cls}"] = [int(x) for x in ds_utils.partition_balanced(binary, p)]
-        return {k: v for k, v in out.items() if all(a < b for a, b in zip(v, v[1:]))}
+        block = _name(self.specs[self.block_layers[0]]).split("[")[0] if self.block_layers else None
+        return deepspeed_partitions(counts, pipeline_degree, self.block_layers, block)
 
     def profile(self, settings) -> Profile:
         """Profile on rank 0 (the others wait), with the link measured between rank pairs."""
