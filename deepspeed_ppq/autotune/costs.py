@@ -1,6 +1,6 @@
 """What the planner knows about a model: measured per-layer costs, codec options and the link.
 
-Pure data (no torch): the profiler fills these from measurements, tests fill them by hand, and the
+Pure data: the profiler fills these from measurements, tests fill them by hand, and the
 planner reads them. Times are seconds, sizes bytes; per-sample sizes scale with the micro-batch size.
 
 Memory accounting per parameter (what a stage keeps; see ``layer_static_bytes``):
@@ -17,8 +17,9 @@ Memory accounting per parameter (what a stage keeps; see ``layer_static_bytes``)
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from deepspeed_ppq.quant.optim import optimizer_state_bytes
 
 __all__ = [
     "LayerProfile",
@@ -30,23 +31,15 @@ __all__ = [
     "MASTER_FREE_FORMATS",
 ]
 
-MIN_8BIT_SIZE = 4096  # as build_optimizer: smaller tensors keep fp32 states
 # formats whose codes can be the only weight copy (``WeightsConfig.master="none"``)
 MASTER_FREE_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
-_BNB_BLOCK = 256
 
 
 def optimizer_bytes(param_numels: list[int], eight_bit: bool) -> int:
-    """Adam state bytes for parameter tensors of the given sizes (two states per parameter)."""
-    total = 0
-    for n in param_numels:
-        if not eight_bit:
-            total += 8 * n + 4  # torch Adam: two fp32 moments and a 0-dim fp32 step
-        elif n < MIN_8BIT_SIZE:
-            total += 8 * n
-        else:
-            total += 2 * (n + 4 * math.ceil(n / _BNB_BLOCK))
-    return total
+    """Adam state bytes for parameter tensors of the given sizes: ``quant.optim.optimizer_state_bytes``
+    (the ledger's exact accounting) summed, for fp32 Adam or 8-bit Adam."""
+    kind = "adam8bit" if eight_bit else "adam"
+    return sum(sum(optimizer_state_bytes(n, kind=kind).values()) for n in param_numels)
 
 
 def interpolate_time(timing: dict[int, float], micro_batch: int) -> float:

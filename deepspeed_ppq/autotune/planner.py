@@ -36,7 +36,6 @@ import numpy as np
 
 from deepspeed_ppq.autotune.costs import (
     MASTER_FREE_FORMATS,
-    MIN_8BIT_SIZE,
     NO_CODEC,
     CodecOption,
     LayerProfile,
@@ -44,6 +43,7 @@ from deepspeed_ppq.autotune.costs import (
 )
 from deepspeed_ppq.autotune.memory import PREDICTED
 from deepspeed_ppq.autotune.plan import Plan, StagePlan
+from deepspeed_ppq.quant.optim import MIN_8BIT_SIZE
 
 __all__ = [
     "PlanningProblem",

@@ -234,7 +234,7 @@ def ledger_from_shapes(
     Returns:
         The ``MemoryLedger``.
     """
-    from deepspeed_ppq.quant.master_free import MIN_8BIT_SIZE
+    from deepspeed_ppq.quant.optim import MIN_8BIT_SIZE
 
     cfg = weights_cfg or WeightsConfig()
     led = MemoryLedger()

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from deepspeed_ppq.quant.adam8bit import adam8bit_step
-from deepspeed_ppq.quant.optim import BNB_BLOCK_SIZE, underlying_optimizer
+from deepspeed_ppq.quant.optim import BNB_BLOCK_SIZE, MIN_8BIT_SIZE, underlying_optimizer
 from deepspeed_ppq.quant.sr_ops import weight_quantize_sr_out
 
 __all__ = [
@@ -55,7 +55,6 @@ __all__ = [
     "MIN_8BIT_SIZE",
 ]
 
-MIN_8BIT_SIZE = 4096  # as build_optimizer: smaller weights keep fp32 moments
 _QMAPS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 

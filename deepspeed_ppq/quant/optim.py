@@ -40,6 +40,7 @@ __all__ = [
 
 OPTIMIZER_KINDS = ("adam", "adamw", "adam8bit", "adamw8bit", "sgd")
 BNB_BLOCK_SIZE = 256  # bitsandbytes Optimizer2State: absmax per 256 state values
+MIN_8BIT_SIZE = 4096  # build_optimizer's default: smaller tensors keep fp32 states
 _BNB_QMAP_BYTES = 256 * 4  # one 256-entry fp32 code map
 
 
@@ -68,7 +69,7 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     momentum: float = 0.0,
-    min_8bit_size: int = 4096,
+    min_8bit_size: int = MIN_8BIT_SIZE,
     fused: bool = False,
 ) -> torch.optim.Optimizer:
     """A torch or bitsandbytes optimizer of ``kind`` (see the module docstring).
@@ -108,7 +109,7 @@ def optimizer_state_bytes(
     dtype: torch.dtype = torch.float32,
     kind: str = "adam",
     momentum: float = 0.0,
-    min_8bit_size: int = 4096,
+    min_8bit_size: int = MIN_8BIT_SIZE,
 ) -> dict[str, int]:
     """Exact optimizer-state bytes for one trainable parameter tensor, by ledger category.
 
@@ -128,7 +129,8 @@ def optimizer_state_bytes(
     return {"optimizer.state_8bit": 2 * numel, "optimizer.absmax": 2 * blocks * 4}
 
 
-def optimizer_shared_bytes(kind: str, numels: Iterable[int], min_8bit_size: int = 4096) -> dict[str, int]:
+def optimizer_shared_bytes(kind: str, numels: Iterable[int],
+                           min_8bit_size: int = MIN_8BIT_SIZE) -> dict[str, int]:
     """State shared by all tensors of one optimizer: the two 8-bit code maps, when any tensor is 8-bit."""
     _check_kind(kind)
     if kind in ("adam8bit", "adamw8bit") and any(n >= min_8bit_size for n in numels):
