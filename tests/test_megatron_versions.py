@@ -9,8 +9,9 @@ an interpreter that has the other version:
 
 - ``PPQ_MCORE_PYTHON=/path/to/python``: an environment with torch 2.13.0 and a supported
   megatron-core (plus the test dependencies, see ``_PACKAGES``);
-- ``PPQ_MCORE_BUILD=1``: builds one under ``$PPQ_MCORE_VENV`` (default: the temp dir) from a
-  ``python3.12`` on PATH and PyPI (a few GB: torch's CUDA build is PyPI's only Linux wheel for 3.12).
+- ``PPQ_MCORE_BUILD=1``: builds one under ``$PPQ_MCORE_VENV`` (default: the temp dir) from
+  ``$PPQ_PYTHON312`` or a ``python3.12`` on PATH, and PyPI (a few GB: torch's CUDA build is PyPI's
+  only Linux wheel for 3.12).
 
 Skipped, saying which, when neither is given, no Python 3.12 is found or PyPI cannot be reached.
 """
@@ -31,7 +32,8 @@ from megatron_patches import _compat
 
 ROOT = Path(__file__).resolve().parent.parent
 NEWEST = "0.19.2"
-MEGATRON_TESTS = [f"tests/test_megatron_{name}.py" for name in ("args", "p2p", "layers", "optim", "run")]
+MEGATRON_TESTS = [f"tests/test_megatron_{name}.py" for name in ("args", "cpu_mode", "p2p", "layers", "optim",
+                                                                          "run")]
 # What the megatron tests import besides torch and megatron-core, at this project's pins.
 _PACKAGES = ("pydantic", "pydantic_core", "annotated-types", "typing-inspection", "typing_extensions",
              "einops", "packaging", "hypothesis", "sortedcontainers", "pytest", "pytest-timeout", "iniconfig",
@@ -46,10 +48,10 @@ def _pins() -> list[str]:
 
 
 def _build_venv() -> str:
-    py312 = shutil.which("python3.12")
-    if py312 is None:
-        pytest.skip(f"PPQ_MCORE_BUILD=1 but no python3.12 on PATH: megatron-core {NEWEST} needs "
-                    "Python >= 3.12")
+    py312 = os.environ.get("PPQ_PYTHON312") or shutil.which("python3.12")
+    if py312 is None or subprocess.run([py312, "-c", "import venv"], capture_output=True).returncode:
+        pytest.skip(f"PPQ_MCORE_BUILD=1 but no usable python3.12 on PATH (or PPQ_PYTHON312): megatron-core "
+                    f"{NEWEST} needs Python >= 3.12")
     venv = Path(os.environ.get("PPQ_MCORE_VENV", Path(tempfile.gettempdir()) / f"ppq-mcore-{NEWEST}-py312"))
     python = venv / "bin" / "python"
     stamp = venv / ".ppq-ready"
