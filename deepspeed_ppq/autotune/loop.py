@@ -43,7 +43,7 @@ from deepspeed_ppq.autotune.runner import Profile, TrialResult, TuningRunner
 
 __all__ = [
     "tune", "summarize", "build_problem", "back_off", "default_micro_batch_sizes", "ladder_plans",
-    "same_configuration",
+    "same_configuration", "is_stock_configuration",
     "measured_bubble", "TuningError",
 ]
 
@@ -192,6 +192,16 @@ def measured_bubble(run: dict) -> float:
     idle = [max(0.0, 1 - sum(st["measured_instructions_per_step"].get(k, 0.0) for k in _COMPUTE) / step)
             for st in run["stages"]]
     return statistics.mean(idle) if idle and step > 0 else 0.0
+
+
+def is_stock_configuration(plan: Plan, partitions: dict[int, dict[str, list[int]]]) -> bool:
+    """Whether stock DeepSpeed could run ``plan`` as it is: training-dtype weights, no codecs, no
+    master-free weights, recomputation on every stage or none, and boundaries one of its partition
+    methods gives (``partitions``: degree -> method -> boundaries)."""
+    rec = {s.recompute for s in plan.stages}
+    return (all(f == "none" for f in plan.layer_formats) and not plan.master_free and len(rec) == 1
+            and plan.activation_codec == {"method": "none"} and plan.gradient_codec == {"method": "none"}
+            and plan.boundaries in partitions.get(plan.pipeline_degree, {}).values())
 
 
 def same_configuration(a: Plan, b: Plan) -> bool:
@@ -437,7 +447,16 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         t_base, t_tuned = statistics.median(ab["baseline"]), statistics.median(ab["tuned"])
         plan.measured_step_time = t_tuned
         plan.measured_memory = [st["measured_memory"] for st in run["stages"]]
-        if t_tuned < t_base:
+        if is_stock_configuration(plan, partitions):
+            # a configuration the stock search could have picked: the A/B only corrects its noisy pick
+            outcome = "baseline"
+            if t_tuned < t_base:
+                chosen, base, base_run = plan, plan, run
+            verdict = "faster" if chosen is plan else "slower"
+            note(f"the tuned plan is itself a stock configuration ({verdict} in the A/B: "
+                 f"{t_base * 1e3:.1f} vs {t_tuned * 1e3:.1f} ms): it claims nothing over stock DeepSpeed; "
+                 "the faster of the two is the best stock configuration")
+        elif t_tuned < t_base:
             chosen, outcome = plan, "tuned"
             note(f"accepted: {t_base / t_tuned:.2f}x samples/s over the best stock configuration "
                  f"({t_base * 1e3:.1f} -> {t_tuned * 1e3:.1f} ms)")
@@ -445,7 +464,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
             note(f"the plan passed the checks but ran no faster than the best stock configuration "
                  f"({t_base * 1e3:.1f} vs {t_tuned * 1e3:.1f} ms): the stock configuration is the plan")
     ladder = []
-    if settings.ladder and accepted is not None and not accepted_same:
+    if settings.ladder and outcome == "tuned":
         base_run["quality_val_loss"] = seed_losses[0]
         ladder.append({"rung": "best stock configuration", "plan": base.to_dict(), "run": base_run})
         previous = base

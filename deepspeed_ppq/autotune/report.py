@@ -94,18 +94,18 @@ def format_report(result: dict) -> str:
                  f"{result['world_size']}, global batch {result['global_batch']}, budget "
                  f"{_mib(budget)} MiB per stage (+{s['memory_tolerance']:.0%} tolerance, measured peak).")
     lines.append("")
-    if result["accepted"] and not ab["tuned"]:
-        lines.append("**The best stock configuration is the plan**: no tuned configuration was predicted "
-                     "faster.")
-    elif result["accepted"]:
+    if result.get("outcome") == "tuned":
         t_base, t_tuned = statistics.median(ab["baseline"]), statistics.median(ab["tuned"])
         lines.append(f"**Result: {t_base / t_tuned:.2f}x samples/s** over the best measured stock DeepSpeed "
                      f"configuration ({t_base * 1e3:.1f} -> {t_tuned * 1e3:.1f} ms per step, medians of "
-                     f"{len(ab['baseline'])} and {len(ab['tuned'])} runs).")
+                     f"{len(ab['baseline'])} and {len(ab['tuned'])} alternating runs).")
+    elif result["accepted"]:
+        lines.append("**No gain over stock DeepSpeed**: the plan that passed the checks is a stock "
+                     "configuration or ran no faster than the best one (see the log); plan.json holds the "
+                     "best stock configuration.")
     else:
-        lines.append("**No plan passed the checks** (see the iterations).")
-    if result.get("outcome") == "baseline":
-        lines += ["", "plan.json holds the best stock configuration: no tuned plan ran faster."]
+        lines.append("**No plan passed the checks** (see the iterations); plan.json holds the best stock "
+                     "configuration.")
     if result.get("ladder"):
         t0 = result["ladder"][0]["run"]["measured_step_time"]
         lines += ["", "## The ladder: one feature at a time", "",
