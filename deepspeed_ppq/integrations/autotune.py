@@ -294,6 +294,8 @@ class DeepSpeedRunner:
 
         rank, world = self.rank, self.world_size
         stage, replica = divmod(rank, plan.data_parallel)
+        if torch.cuda.is_available():  # the device allocator's peak, per trial
+            torch.cuda.reset_peak_memory_stats()
         torch.manual_seed(1234 + seed)
         module = plan_module(plan, self._trial_specs(), self.loss_fn, self.weights.model_dump(mode="json"),
                              self.block_layers, seed_layers=True, base_seed=1234 + seed)
