@@ -229,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     if not Path(script).is_file():
         raise SystemExit(f"megatron_patches.run: no script {script!r} (give the path to pretrain_gpt.py "
                          "or another Megatron training script)")
+    # Before anything imports `megatron`: a Megatron-LM checkout's own megatron/ package (with
+    # megatron/training) must win over the pip megatron-core, as it does for `python pretrain_gpt.py`.
+    sys.path.insert(0, str(Path(script).resolve().parent))
     import torch
 
     cpu = cpu or not torch.cuda.is_available()
@@ -238,9 +241,6 @@ def main(argv: list[str] | None = None) -> None:
             rest = cpu_defaults(rest)
     except PPQConfigError as e:
         raise SystemExit(f"megatron_patches.run: {e}") from None
-    # Before anything imports `megatron`: a Megatron-LM checkout's own megatron/ package (with
-    # megatron/training) must win over the pip megatron-core, as it does for `python pretrain_gpt.py`.
-    sys.path.insert(0, str(Path(script).resolve().parent))
     if cpu:
         from .cpu_shim import enter_cpu_mode
 
