@@ -1,4 +1,4 @@
-"""Opt-in patches that bring deepspeed_ppq into Megatron-LM / megatron-core (tested: megatron-core 0.16.1).
+"""Opt-in patches that bring deepspeed_ppq into Megatron-LM / megatron-core (megatron-core 0.16.1 and 0.19.2).
 
 Three pieces, each checking the installed megatron-core version before it installs itself
 (``PPQ_MEGATRON_ALLOW_UNTESTED=1`` to override, see ``_compat``):

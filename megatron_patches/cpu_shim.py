@@ -192,7 +192,7 @@ def _returning(value):
     return fn
 
 
-# torch.cuda attributes replaced in CPU mode (megatron-core 0.16.1 + Megatron-LM core_v0.16.1).
+# torch.cuda attributes replaced in CPU mode (read in Megatron-LM core_v0.16.1 and core_v0.19.0).
 _TORCH_CUDA = {
     "is_available": _returning(True),
     "device_count": _returning(1),

@@ -1,6 +1,6 @@
 """Compressed stage-to-stage traffic inside megatron-core's own pipeline schedules.
 
-Every P2P call of megatron-core 0.16.1 (``recv_forward``, ``send_forward_recv_backward``, ...) goes
+Every P2P call of megatron-core 0.16.1 and 0.19.2 (``recv_forward``, ``send_forward_recv_backward``, ...) goes
 through one method, ``P2PCommunicator._communicate``. :class:`PPQP2PCommunicator` overrides it: the
 activation sent to the next stage and the gradient sent to the previous one travel as the codec's
 flat ``uint8`` payload (``deepspeed_ppq.compress``); the receiver allocates the payload's exact size
