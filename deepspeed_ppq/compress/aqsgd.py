@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +42,7 @@ class SampleBuffers:
         self.sample_shape: tuple[int, ...] | None = None
         self._mem: dict[int, torch.Tensor] = {}
         self._map: np.memmap | None = None
+        self._undo: list[tuple[list[int], Any]] | None = None  # (ids, old rows) since begin_step()
         if cfg.storage == "disk" and not (cfg.path and cfg.num_samples):
             raise ValueError("aqsgd.storage='disk' needs aqsgd.path and aqsgd.num_samples")
 
@@ -104,12 +106,43 @@ class SampleBuffers:
         if len(set(ids)) != len(ids):
             raise ValueError(f"{self.name}: sample_ids repeat within one micro-batch: {ids}")
         v = values.detach().float()
+        if not bool(torch.isfinite(v).all()):
+            raise ValueError(f"{self.name}: refusing to store NaN/Inf in AQ-SGD buffers of samples {ids[:4]}")
+        if self._undo is not None:
+            self._undo.append((ids, self._old_rows(ids)))
         if self.cfg.storage == "disk":
             m = self._memmap()
             m[np.asarray(ids)] = v.reshape(len(ids), -1).cpu().numpy()
             return
         for b, i in enumerate(ids):
             self._mem[i] = v[b].clone()
+
+    def _old_rows(self, ids: list[int]):
+        if self.cfg.storage == "disk":
+            return np.array(self._memmap()[np.asarray(ids)])
+        return [self._mem.get(i) for i in ids]
+
+    def begin_step(self) -> None:
+        """Start recording what ``scatter`` overwrites, so ``rollback`` can undo this step."""
+        self._undo = []
+
+    def commit(self) -> None:
+        """Keep this step's updates (stop recording)."""
+        self._undo = None
+
+    def rollback(self) -> None:
+        """Undo every ``scatter`` since ``begin_step`` (a skipped optimizer step: the buffers are as if the
+        step's samples were never seen)."""
+        for ids, old in reversed(self._undo or []):
+            if self.cfg.storage == "disk":
+                self._memmap()[np.asarray(ids)] = old
+                continue
+            for i, t in zip(ids, old):
+                if t is None:
+                    self._mem.pop(i, None)
+                else:
+                    self._mem[i] = t
+        self._undo = None
 
     def __len__(self) -> int:
         return len(self._mem) if self.cfg.storage == "memory" else (self.cfg.num_samples or 0)

@@ -33,6 +33,7 @@ from deepspeed_ppq.compress.codecs import (
     encode_into,
     payload_layout,
     payload_status,
+    write_flagged,
 )
 from deepspeed_ppq.compress.feedback import FeedbackState, mixed_topk_indices
 from deepspeed_ppq.config import AQSGDConfig, CodecConfig
@@ -104,6 +105,24 @@ class _Side:
         self.wire_bytes += lay.nbytes
         self.codec_seconds += time.perf_counter() - t0
         self.messages += 1
+
+    def begin_step(self) -> None:
+        """Start an optimizer step whose state updates ``rollback`` can undo (``ppq.nonfinite="skip"``)."""
+        self.state.begin_step()
+        if self.buffers is not None:
+            self.buffers.begin_step()
+
+    def commit(self) -> None:
+        self.state.commit()
+        if self.buffers is not None:
+            self.buffers.commit()
+
+    def rollback(self) -> None:
+        """Return EF/EF21 state and AQ-SGD buffers to where ``begin_step`` found them: a skipped step leaves
+        the codec state as if its batch had never been seen."""
+        self.state.rollback()
+        if self.buffers is not None:
+            self.buffers.rollback()
 
     def reset_state(self) -> None:
         """Forget EF/EF21 state (not AQ-SGD buffers, which belong to dataset samples)."""
@@ -190,14 +209,13 @@ class BoundaryEncoder(_Side):
         x = x.detach()
         if mode == "raw":
             encode_into(_NONE, x, payload, lay)
-            if self.buffers is not None and training:
-                self.buffers.scatter(sample_ids, x.float())
             self.last_indices = None
-            self._finish(payload, lay, t0)
+            if self._finish(payload, lay, t0) and self.buffers is not None and training:
+                self.buffers.scatter(sample_ids, x.float())  # never a non-finite value
             return payload
         if mode == "plain":
-            self.last_indices = encode_into(self.cfg, x, payload, lay, indices=indices)
-            self._finish(payload, lay, t0)
+            full = encode_into(self.cfg, x, payload, lay, indices=indices)
+            self.last_indices = full if self._finish(payload, lay, t0) else None
             return payload
 
         ef = self.cfg.error_feedback
@@ -216,8 +234,9 @@ class BoundaryEncoder(_Side):
             e = self.state.get(x.shape, x.device)
             indices = mixed_topk_indices(x.reshape(B, -1), e.view(B, -1), lay.k)
         full = encode_into(self.cfg, msg.to(x.dtype), payload, lay, indices=indices)
-        self.last_indices = full
-        if self._finish(payload, lay, t0, account=False) and (ef != "none" or base is not None):
+        clean = self._finish(payload, lay, t0, account=False)
+        self.last_indices = full if clean else None  # a flagged message has no usable indices
+        if clean and (ef != "none" or base is not None):
             dec, _ = self._decoded_f32(payload, lay, full)
             if base is not None:
                 self.buffers.scatter(sample_ids, base + dec)
@@ -226,6 +245,18 @@ class BoundaryEncoder(_Side):
             else:
                 self.state.buf = msg - dec
         self._count(lay, t0)
+        return payload
+
+    def encode_flagged(self, shape, dtype, *, training: bool = True, uncompressed: bool = False,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """A flagged payload of the agreed size for a message that cannot be encoded: a values-only TopK
+        gradient of a micro-batch whose activation was flagged (so no indices exist). The receiver decodes
+        NaN and the step is skipped (or stopped) as for any flagged message; no state changes."""
+        lay = self._layout(shape, dtype, self._mode(training, uncompressed))
+        payload = torch.empty(lay.nbytes, dtype=torch.uint8) if out is None else out.view(-1)
+        write_flagged(payload, lay)
+        self.last_indices = None
+        self._finish(payload, lay, time.perf_counter())
         return payload
 
     def _finish(self, payload, lay, t0, account: bool = True) -> bool:
@@ -297,21 +328,21 @@ class BoundaryDecoder(_Side):
               or out.device != payload.device):
             raise ValueError(f"out must be a contiguous {dtype} tensor of shape {lay.shape} on the payload's "
                              f"device {payload.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
-        if lay.values_only and indices is None and mode != "raw":
-            raise ValueError(f"{self.name}: TopK gradients carry values only: pass the activation's indices=")
         if payload.dtype != torch.uint8 or payload.numel() != lay.nbytes:
             raise ValueError(
                 f"{self.name}: payload has {payload.numel()} {payload.dtype} elements, expected {lay.nbytes} "
                 f"uint8 for shape {lay.shape} {dtype} (mode {mode}); do both stages use the same codec?"
             )
         payload = payload.reshape(-1)
-        if payload_status(payload) != 0:
+        if payload_status(payload) != 0:  # before the indices check: a flagged message needs none
             self.last_nonfinite = True
             out.fill_(float("nan"))
             self.last_indices = None
             self._count(lay, t0)
             return out
         self.last_nonfinite = False
+        if lay.values_only and indices is None and mode != "raw":
+            raise ValueError(f"{self.name}: TopK gradients carry values only: pass the activation's indices=")
         if mode == "raw":
             decode_from(_NONE, payload, lay, out)
             if self.buffers is not None and training:

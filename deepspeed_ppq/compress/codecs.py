@@ -41,6 +41,7 @@ __all__ = [
     "encode_into",
     "decode_from",
     "payload_status",
+    "write_flagged",
 ]
 
 HEADER_NBYTES = 8
@@ -157,6 +158,20 @@ def payload_status(payload: torch.Tensor) -> int:
     return int(payload[0])
 
 
+def write_flagged(payload: torch.Tensor, lay: PayloadLayout) -> torch.Tensor:
+    """Fill ``payload`` (uint8, ``lay.nbytes``) as a flagged message: status 1, a valid header, zero body.
+    A sender with nothing to encode (say a values-only TopK gradient whose activation was flagged, so no
+    indices exist) sends this: the receiver gets a message of the agreed size and decodes NaN."""
+    if payload.dtype != torch.uint8 or payload.numel() != lay.nbytes:
+        raise ValueError(f"flagged payload must be uint8 of {lay.nbytes} bytes, got {payload.dtype} "
+                         f"with {payload.numel()} elements")
+    payload.zero_()
+    bits = {"none": 0, "quant": 0, "fp8": 8, "topk": lay.idx_bits}[lay.method]
+    _write_header(payload, lay, bits)
+    payload[0] = 1
+    return payload
+
+
 def _write_header(payload: torch.Tensor, lay: PayloadLayout, bits: int) -> None:
     payload[1] = _METHOD_ID[lay.method]
     payload[2] = bits
@@ -185,7 +200,7 @@ def encode_into(
     status = payload[0:1]
     if lay.method == "none":
         _section(payload, lay.sec[0]).copy_(x.reshape(-1).view(torch.uint8))
-        status.zero_()
+        status.fill_(int(not bool(torch.isfinite(x).all())))  # raw messages are checked too
         _write_header(payload, lay, 0)
         return None
     if lay.method == "quant":

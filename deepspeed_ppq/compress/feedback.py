@@ -26,6 +26,19 @@ class FeedbackState:
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
+        self._saved: tuple[torch.Tensor | None] | None = None
+
+    def begin_step(self) -> None:
+        """Remember the buffer as it is, so ``rollback`` can return to it (a skipped optimizer step)."""
+        self._saved = (None if self.buf is None else self.buf.clone(),)
+
+    def commit(self) -> None:
+        self._saved = None
+
+    def rollback(self) -> None:
+        if self._saved is not None:
+            self.buf = self._saved[0]
+        self._saved = None
 
     def get(self, shape, device: torch.device | str = "cpu") -> torch.Tensor:
         """The buffer for a message of ``shape`` on ``device`` (zeros when the shape or device changed)."""
@@ -37,6 +50,7 @@ class FeedbackState:
 
     def reset(self) -> None:
         self.buf = None
+        self._saved = None
 
 
 def mixed_topk_indices(x: torch.Tensor, e: torch.Tensor, k: int) -> torch.Tensor:

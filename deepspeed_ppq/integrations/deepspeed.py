@@ -37,6 +37,7 @@ import functools
 import hashlib
 import json
 import time
+import types
 import warnings
 from typing import Any
 
@@ -140,6 +141,7 @@ class PPQPipelineEngine(PipelineEngine):
         self._sample_ids: dict[int, torch.Tensor] = {}  # buffer -> int64[B]
         self._pending_ids: torch.Tensor | None = None
         self._nonfinite_where: list[str] = []
+        self._step_open = False  # codec state updates of this step can be rolled back (nonfinite="skip")
         self._stats = {(b, d): dict.fromkeys(_STAT_FIELDS, 0.0)
                        for b in range(self.num_stages - 1) for d in _DIRECTIONS}
         if self.is_pipe_parallel:
@@ -216,6 +218,8 @@ class PPQPipelineEngine(PipelineEngine):
                 aqsgd=self.ppq.aqsgd if direction == "act" and self._aqsgd else None,
                 direction="activations" if direction == "act" else "gradients",
                 nonfinite="skip")  # flag it in the payload, so the receiver stops (or skips) too
+            if self._step_open:
+                self._encoders[key].begin_step()
         return self._encoders[key]
 
     def _decoder(self, direction: str, idx: int):
@@ -228,6 +232,8 @@ class PPQPipelineEngine(PipelineEngine):
                 self._codec(direction), name=self._name(direction, b, idx),
                 aqsgd=self.ppq.aqsgd if direction == "act" and self._aqsgd else None,
                 direction="activations" if direction == "act" else "gradients")
+            if self._step_open:
+                self._decoders[key].begin_step()
         return self._decoders[key]
 
     def _payload_buffer(self, direction: str, idx: int, nbytes: int) -> torch.Tensor:
@@ -342,8 +348,11 @@ class PPQPipelineEngine(PipelineEngine):
     def _exec_send_activations(self, buffer_id):
         mode = self._codec_mode("act")
         if mode is None:
-            self._count_uncompressed(self.stage_id, "act", _as_tuple(self.pipe_buffers["outputs"][buffer_id]))
-            return super()._exec_send_activations(buffer_id)
+            outputs = _as_tuple(self.pipe_buffers["outputs"][buffer_id])
+            self._count_uncompressed(self.stage_id, "act", outputs)
+            super()._exec_send_activations(buffer_id)
+            self._check_raw(outputs, "act", self.stage_id, sender=True)
+            return None
         outputs = self.pipe_buffers["outputs"][buffer_id]
         if self.dynamic_shape or self.first_output_send:
             self.first_output_send = False
@@ -378,7 +387,10 @@ class PPQPipelineEngine(PipelineEngine):
     def _exec_recv_activations(self, buffer_id):
         mode = self._codec_mode("act")
         if mode is None:
-            return super()._exec_recv_activations(buffer_id)
+            super()._exec_recv_activations(buffer_id)
+            self._check_raw(_as_tuple(self.pipe_buffers["inputs"][buffer_id]), "act", self.stage_id - 1,
+                            sender=False)
+            return None
         if self.dynamic_shape or self.pipe_recv_buf is None:
             self.pipe_recv_buf = self._recv_tensor_meta(self.prev_stage)
         logical = _as_tuple(self.pipe_recv_buf)
@@ -415,9 +427,12 @@ class PPQPipelineEngine(PipelineEngine):
         mode = self._codec_mode("grad")
         if mode is None:
             inputs = _as_tuple(self.pipe_buffers["inputs"][buffer_id])
-            self._count_uncompressed(self.stage_id - 1, "grad",
-                                     [t.grad for t in inputs if t.is_floating_point() and t.grad is not None])
-            return super()._exec_send_grads(buffer_id)
+            grads = [t.grad for t in inputs if t.is_floating_point() and t.grad is not None]
+            self._count_uncompressed(self.stage_id - 1, "grad", grads)
+            self._recv_indices.pop(buffer_id, None)
+            super()._exec_send_grads(buffer_id)
+            self._check_raw(grads, "grad", self.stage_id - 1, sender=True)
+            return None
         inputs = self.pipe_buffers["inputs"][buffer_id]
         b = self.stage_id - 1
         stats = self._stats[(b, "grad")]
@@ -432,7 +447,12 @@ class PPQPipelineEngine(PipelineEngine):
             enc = self._encoder("grad", idx)
             t0 = time.perf_counter()
             out = self._send_buffer("grad", idx, enc.nbytes(t.grad.shape, t.grad.dtype, **mode), buffer_id)
-            payload = enc.encode(t.grad, indices=kept.get(idx) if reuse else None, out=out, **mode)
+            if reuse and kept.get(idx) is None and not mode["uncompressed"]:
+                # the activation of this micro-batch was flagged: no indices to reuse, so its gradient
+                # travels as a flagged payload of the agreed size (the step is skipped or stopped anyway)
+                payload = enc.encode_flagged(t.grad.shape, t.grad.dtype, out=out, **mode)
+            else:
+                payload = enc.encode(t.grad, indices=kept.get(idx) if reuse else None, out=out, **mode)
             stats["encode_s"] += time.perf_counter() - t0
             self._check_flag(enc, "grad", b, idx, sender=True)
             self._send_payload(payload, self.prev_stage, ("grad", idx, payload.numel(), buffer_id))
@@ -446,7 +466,10 @@ class PPQPipelineEngine(PipelineEngine):
     def _exec_recv_grads(self, buffer_id):
         mode = self._codec_mode("grad")
         if mode is None:
-            return super()._exec_recv_grads(buffer_id)
+            self._sent_indices.pop(buffer_id, None)
+            super()._exec_recv_grads(buffer_id)
+            self._check_raw(_as_tuple(self.grad_layer), "grad", self.stage_id, sender=False)
+            return None
         outputs = self.pipe_buffers["outputs"][buffer_id]
         reuse = self._reuse_indices()
         kept = self._sent_indices.pop(buffer_id, {})
@@ -471,6 +494,19 @@ class PPQPipelineEngine(PipelineEngine):
         return g.method == "topk" and g.reuse_indices
 
     # -------------------------------------------------------------- non-finite
+    def _check_raw(self, tensors, direction: str, boundary: int, sender: bool) -> None:
+        """Non-finite check of a message that went through DeepSpeed's own (uncompressed) path: warm-up
+        steps, raw evaluation. Only when a codec is configured: codec "none" stays stock DeepSpeed."""
+        if not self._compressing:
+            return
+        for idx, t in enumerate(x for x in tensors if x is not None and x.is_floating_point()):
+            if not bool(torch.isfinite(t).all()):
+                flagged = types.SimpleNamespace(last_nonfinite=True)
+                self._check_flag(flagged, direction, boundary, idx, sender=sender)
+                if sender:
+                    self._raise_if_sender_flagged()
+                return
+
     def _check_flag(self, side, direction: str, boundary: int, idx: int, sender: bool) -> None:
         """``side``: the encoder or decoder that just ran; its ``last_nonfinite`` is the payload's flag."""
         if not side.last_nonfinite:
@@ -499,8 +535,13 @@ class PPQPipelineEngine(PipelineEngine):
                 return
         super()._exec_optimizer_step(lr_kwargs)
 
+    def _codec_sides(self):
+        return [*self._encoders.values(), *self._decoders.values()]
+
     def _skip_step(self) -> None:
         where = "; ".join(self._nonfinite_where) or "another stage"
+        for side in self._codec_sides():
+            side.rollback()  # EF/EF21/AQ-SGD state as if this step's batch had never been seen
         warnings.warn(f"ppq: skipping optimizer step {self.global_steps}: NaN/Inf crossed a stage boundary "
                       f"(seen at {where})", RuntimeWarning, stacklevel=2)
         self._nonfinite_where.clear()
@@ -514,7 +555,22 @@ class PPQPipelineEngine(PipelineEngine):
 
     # ------------------------------------------------------------------- stats
     def train_batch(self, data_iter=None):
-        loss = super().train_batch(data_iter)
+        self._nonfinite_where.clear()
+        self._step_open = self._compressing  # a skipped or failed step rolls its codec state back
+        if self._step_open:
+            for side in self._codec_sides():
+                side.begin_step()
+        try:
+            loss = super().train_batch(data_iter)
+        except BaseException:
+            self._ppq_stop_timers()  # so the engine can still be used (say, to save a checkpoint)
+            for side in self._codec_sides():
+                side.rollback()
+            raise
+        finally:
+            self._step_open = False
+            for side in self._codec_sides():
+                side.commit()  # no-op after a skip (already rolled back)
         self._nonfinite_where.clear()
         spp = self.steps_per_print() or 1
         if self.monitor.enabled and self.global_steps % spp == 0:
@@ -524,6 +580,23 @@ class PPQPipelineEngine(PipelineEngine):
                                            for (b, d), fields in sorted(stats.items())
                                            for k, v in fields.items()])
         return loss
+
+    def _ppq_stop_timers(self) -> None:
+        for timer in getattr(self.timers, "timers", {}).values():
+            if getattr(timer, "started_", False):
+                timer.stop()
+
+    def eval_batch(self, *args, **kwargs):
+        """DeepSpeed's ``eval_batch``; a non-finite value seen here (``ppq.nonfinite="skip"``) concerns this
+        evaluation only and never skips the next training step."""
+        self._nonfinite_where.clear()
+        try:
+            return super().eval_batch(*args, **kwargs)
+        except BaseException:
+            self._ppq_stop_timers()
+            raise
+        finally:
+            self._nonfinite_where.clear()
 
     def ppq_stats(self, all_stages: bool = False) -> dict[tuple[int, str], dict[str, float]]:
         """Counters per ``(boundary, "act" | "grad")``: raw and on-wire bytes, side-channel bytes
