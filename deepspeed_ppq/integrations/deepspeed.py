@@ -24,11 +24,13 @@ layers with global block indices, chosen stages recompute their block layers, an
 ``QuantLinear`` compute copies are re-quantized after every optimizer step. Counters (``ppq_stats``)
 cover DeepSpeed's own uncompressed sends as well, so a baseline's bytes are measured.
 
-Start-up: adjacent stages exchange their codec settings (JSON + SHA-256) and both stop with an error
-naming the differing fields if they disagree. Non-finite values: with ``ppq.nonfinite="error"`` the
-sender flags the payload and raises, the receiver sees the flag and raises too (both name the stage and
-boundary); with ``"skip"`` the receiver decodes NaN, and all ranks all-reduce a flag before the optimizer
-step and skip it together.
+Start-up: adjacent stages exchange their codec settings and partition (boundaries, layer and stage count;
+JSON + SHA-256) and both stop with an error naming the differing fields if they disagree.
+Non-finite values are checked on every path (compressed, warm-up, evaluation) when a codec is configured:
+with ``ppq.nonfinite="error"`` the sender flags the payload and raises, the receiver sees the flag (or the
+raw NaN/Inf) and raises too (both name the stage and boundary); with ``"skip"`` the receiver decodes NaN,
+all ranks all-reduce a flag before the optimizer step and skip it together, and the codec state
+(EF/EF21/AQ-SGD) returns to where the step found it. Codec "none" everywhere is stock DeepSpeed.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ _STAT_FIELDS = ("raw_bytes", "wire_bytes", "side_bytes", "messages", "encode_s",
 
 
 class CodecMismatchError(RuntimeError):
-    """Two adjacent stages were started with different codec settings."""
+    """Two adjacent stages were started with different codec settings or partitions."""
 
 
 class NonFiniteStepError(RuntimeError):
@@ -148,9 +150,18 @@ class PPQPipelineEngine(PipelineEngine):
             self._handshake()
 
     # ----------------------------------------------------------------- set-up
+    def _agreed_settings(self) -> dict:
+        """What both sides of a boundary must agree on: the codec settings (``ppq.*``) and the partition
+        (``pipeline.*``: boundaries, layer and stage count), so ranks built differently stop at start-up
+        instead of computing a wrong model."""
+        parts = [int(p) for p in getattr(self.module, "parts", [])]
+        return {"ppq": codec_settings(self.ppq),
+                "pipeline": {"parts": parts, "num_layers": len(getattr(self.module, "_layer_specs", [])),
+                             "num_stages": self.num_stages}}
+
     def _handshake(self) -> None:
-        """Exchange codec settings with both neighbours; stop both sides on a mismatch."""
-        mine = codec_settings(self.ppq)
+        """Exchange the agreed settings with both neighbours; stop both sides on a mismatch."""
+        mine = self._agreed_settings()
         blob = json.dumps(mine, sort_keys=True).encode()
         problems = []
         # Boundary with the previous stage first, then the next: a chain, so no deadlock.
@@ -188,12 +199,13 @@ class PPQPipelineEngine(PipelineEngine):
                 hashlib.sha256(theirs_blob).digest():
             return []
         a, b = _flatten(mine), _flatten(theirs)
-        diffs = [f"ppq.{k}: stage {self.stage_id} has {a.get(k)!r}, stage {peer} has {b.get(k)!r}"
+        diffs = [f"{k}: stage {self.stage_id} has {a.get(k)!r}, stage {peer} has {b.get(k)!r}"
                  for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
         lo, hi = sorted((self.stage_id, peer))
-        return [f"codec settings differ across boundary {lo} (stage {lo} -> {hi}); every stage must be "
-                "started with the same ppq activations/gradients/aqsgd/warmup_steps/nonfinite settings:\n  "
-                + "\n  ".join(diffs)]
+        return [f"settings differ across boundary {lo} (stage {lo} -> {hi}); every stage must be started "
+                "with the same ppq activations/gradients/aqsgd/warmup_steps/nonfinite settings and the same "
+                "partition (pipeline.parts: build every rank's module with the same layers and boundaries, "
+                "e.g. PPQPipelineModule.from_config with one config):\n  " + "\n  ".join(diffs)]
 
     def _boundary(self, direction: str, sending: bool) -> int:
         """The boundary index this stage talks over for ``direction``."""
@@ -311,7 +323,12 @@ class PPQPipelineEngine(PipelineEngine):
 
     # ---------------------------------------------------------------- data path
     def _next_batch(self):
+        """DeepSpeed's batch; with AQ-SGD on (and only then) a training batch is ``(inputs, labels,
+        sample_ids)`` and the third element is taken off as the sample ids. Without AQ-SGD the batch goes
+        to DeepSpeed untouched, as with stock DeepSpeed (which ignores elements past the second)."""
         batch = super()._next_batch()
+        if not self._aqsgd:
+            return batch
         if isinstance(batch, (tuple, list)) and len(batch) == 3:
             self._pending_ids = torch.as_tensor(batch[2]).to(self.device, torch.int64).reshape(-1)
             batch = (batch[0], batch[1])

@@ -153,6 +153,8 @@ def run_case(case: dict, world: int) -> dict:
     tuple_act = case.get("tuple", False)
     steps = case.get("steps", 3)
     cuts = boundaries(world, tuple_act)
+    if case.get("boundaries_by_rank"):
+        cuts = case["boundaries_by_rank"][dist.get_rank()]
     ds_config = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": GAS,
                  "steps_per_print": 10**6, "ppq": case.get("ppq", {})}
     if isinstance(case.get("ppq_by_rank"), list):
@@ -170,6 +172,8 @@ def run_case(case: dict, world: int) -> dict:
         engine, *_ = init(model=module, optimizer=opt, config=ds_config, **kwargs)
         data = make_data(case.get("nan_step"))
         mbs = micro_batches(data, steps, case.get("nan_step"))
+        if "third" in case:  # a third batch element that is not a sample id (stock DeepSpeed ignores it)
+            mbs = [(x, y, case["third"]) for x, y, _ in mbs]
         losses = [engine.train_batch(iter(mbs[s * GAS:(s + 1) * GAS])).item() for s in range(steps)]
         eval_mbs = micro_batches(data, 1)
         eval_loss = engine.eval_batch(iter(eval_mbs)).item()
