@@ -598,6 +598,44 @@ class PPQPipelineEngine(PipelineEngine):
                                            for k, v in fields.items()])
         return loss
 
+    # ------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+        """DeepSpeed's ``save_checkpoint`` plus this rank's codec state and set-up
+        (``integrations.codec_state``), so a resume continues bit for bit."""
+        from deepspeed_ppq.integrations.codec_state import save_codec_state
+
+        tag = f"global_step{self.global_steps}" if tag is None else tag
+        out = super().save_checkpoint(save_dir, tag=tag, client_state=client_state or {},
+                                      save_latest=save_latest, **kwargs)
+        save_codec_state(self, save_dir, str(tag))
+        return out
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_only=False, **kwargs):
+        """DeepSpeed's ``load_checkpoint``; first checks that this run is set up as the saved one
+        (partition, codecs, weight format, optimizer; the error names what differs and how to convert),
+        then restores the codec state (EF/EF21/AQ-SGD buffers, counters) unless ``load_module_only``."""
+        import os
+
+        from deepspeed_ppq.integrations import codec_state as cs
+
+        if tag is None and os.path.isfile(os.path.join(load_dir, "latest")):
+            with open(os.path.join(load_dir, "latest")) as f:
+                tag = f.read().strip()
+        saved = None
+        if tag is not None:
+            path = cs.state_file(load_dir, tag, self.global_rank)
+            if os.path.isfile(path):
+                saved = cs.read_state(path)
+                if not load_module_only:
+                    cs.check_resume(self, path, saved)
+            elif self._compressing and not load_module_only:
+                warnings.warn(f"{path} is missing (a checkpoint saved without deepspeed_ppq?): the codec "
+                              "state (EF/EF21/AQ-SGD buffers) starts afresh", RuntimeWarning, stacklevel=2)
+        out = super().load_checkpoint(load_dir, tag=tag, load_module_only=load_module_only, **kwargs)
+        if saved is not None and not load_module_only and out[0] is not None:
+            cs.load_codec_state(self, saved)
+        return out
+
     def _ppq_stop_timers(self) -> None:
         for timer in getattr(self.timers, "timers", {}).values():
             if getattr(timer, "started_", False):
