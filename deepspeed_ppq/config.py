@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import sys
 from enum import Enum
 from typing import Any, Literal
@@ -201,6 +202,12 @@ class PartitionConfig(_Model):
             raise ValueError(
                 f"method={m!r} is not a partition method: use parameters, uniform, type:<regex> or explicit"
             )
+        if m.startswith("type:"):
+            try:
+                re.compile(m[len("type:"):])
+            except re.error as err:
+                raise ValueError(f"method={m!r}: {m[len('type:'):]!r} is not a regular expression ({err}); "
+                                 "give a class-name pattern such as 'type:Block|Layer'") from None
         if m == "explicit":
             b = self.boundaries
             if not b or b[0] != 0 or any(x >= y for x, y in zip(b, b[1:])):

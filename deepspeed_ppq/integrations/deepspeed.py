@@ -775,6 +775,31 @@ def _prepare_model(model, ppq: PPQConfig, ds_config: dict, optimizer, model_para
         model.ppq_recomputed = sorted(done)
 
 
+def _optimizer_8bit(model, optimizer, ds_config: dict):
+    """``ppq.weights.optimizer_8bit``: build the config's Adam/AdamW as bitsandbytes 8-bit Adam
+    (``quant.build_optimizer``) in place of DeepSpeed's; an optimizer given that is not 8-bit is refused."""
+    from deepspeed_ppq.integrations.plan_apply import _hyper
+    from deepspeed_ppq.quant.optim import build_optimizer
+
+    if optimizer is not None:
+        if "8bit" in type(optimizer).__name__.lower():
+            return optimizer, ds_config
+        raise PPQConfigError(
+            f"ppq.weights.optimizer_8bit=true but the optimizer given is {type(optimizer).__name__}: pass "
+            "optimizer=None and an Adam/AdamW \"optimizer\" section in the DeepSpeed config (it is built "
+            "8-bit), pass deepspeed_ppq.quant.build_optimizer(params, 'adamw8bit'), or set "
+            "optimizer_8bit=false")
+    sec = ds_config.get("optimizer") or {}
+    if str(sec.get("type", "")).lower() not in ("adam", "adamw"):
+        raise PPQConfigError(
+            f"ppq.weights.optimizer_8bit=true needs an Adam or AdamW optimizer; the DeepSpeed config's "
+            f"optimizer.type is {sec.get('type')!r}: set it to 'AdamW' (or 'Adam'), or set "
+            "optimizer_8bit=false")
+    kind, hp = _hyper(None, ds_config)
+    opt = build_optimizer([p for p in model.parameters() if p.requires_grad], kind + "8bit", **hp)
+    return opt, {k: v for k, v in ds_config.items() if k != "optimizer"}
+
+
 def _check_params_live(model, optimizer, model_parameters, fmt: str) -> None:
     """The optimizer (or parameter list) given must hold the parameters of the converted model."""
     given = []
@@ -874,6 +899,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if model is not None:
         _prepare_model(model, ppq, ds_config, optimizer, model_parameters, block_layers, recompute_stages,
                        recompute_layers)
+        if ppq.weights.optimizer_8bit:
+            optimizer, ds_config = _optimizer_8bit(model, optimizer, ds_config)
+            config = ds_config
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
         config = None  # deepspeed.initialize reads it from args again
     else:

@@ -119,7 +119,7 @@ class PPQPipelineModule(PipelineModule):
     def from_config(cls, layers, num_stages: int, config: PPQConfig | dict | str | None, **kwargs):
         """Build with the partition and weights of a ``"ppq"`` config (or a whole DeepSpeed config
         containing one); ``kwargs`` as ``__init__`` (``block_layers``, ``recompute_stages``, ...)."""
-        cfg = load_ppq_config(config)
+        cfg = load_ppq_config(_ppq_section(config))
         if cfg.plan_file and not is_capturing():  # build this stage as the tuned plan says
             from deepspeed_ppq.autotune.plan import load_plan
             from deepspeed_ppq.integrations.autotune import model_fingerprint
@@ -146,3 +146,19 @@ class PPQPipelineModule(PipelineModule):
                 print(f"stage={s} layers={self.parts[s + 1] - self.parts[s]} "
                       f"[{self.parts[s]}, {self.parts[s + 1]})")
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+
+def _ppq_section(config):
+    """The ``"ppq"`` section of ``config``: a whole DeepSpeed config (dict or JSON path) without one -- a
+    stock DeepSpeed config -- gives the defaults; a dict of ``"ppq"`` fields is the section itself."""
+    import json
+
+    from deepspeed_ppq.config import PPQConfig
+
+    if isinstance(config, str):
+        with open(config) as f:
+            config = json.load(f)
+    if isinstance(config, dict) and "ppq" not in config and config and \
+            not set(config) & set(PPQConfig.model_fields):
+        return {}
+    return config
