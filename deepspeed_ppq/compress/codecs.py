@@ -287,5 +287,8 @@ def decode_from(
     else:
         indices = torch.empty(B, k, dtype=torch.int64, device=payload.device)
         ops.unpack_bits(_section(payload, lay.sec[1]), lay.idx_bits, indices)
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= lay.cols):
+        raise ValueError(f"TopK indices outside [0, {lay.cols}) (min {int(indices.min())}, max "
+                         f"{int(indices.max())}): a corrupted payload or indices from another tensor")
     ops.topk_decode(values, indices, out.view(B, lay.cols))
     return indices
