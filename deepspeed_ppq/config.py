@@ -349,6 +349,9 @@ class PPQConfig(_Model):
     nonfinite: Literal["error", "skip"] = Field(
         "error", description="NaN/Inf in a tensor to compress: stop with an error, or skip the step"
     )
+    watchdog_timeout_s: float = Field(
+        300.0, ge=0, description="a pipeline stage that makes no progress for this long (or 20x its "
+        "longest step, if more) stops with an error naming the stage it waits on; 0: off")
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     autotune: AutotuneConfig = Field(default_factory=AutotuneConfig)
     plan_file: str | None = None

@@ -100,6 +100,22 @@ def _as_tuple(x) -> tuple:
     return (x,) if isinstance(x, torch.Tensor) else tuple(x)
 
 
+def _watched(method, what: str):
+    """``method`` (an instruction) with the watchdog told what it waits for while it runs."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self._watch is None:
+            return method(self, *args, **kwargs)
+        buffer_id = args[0] if args else kwargs.get("buffer_id", "-")
+        self._watch.waiting(what.format(prev=self.stage_id - 1, next=self.stage_id + 1, buffer_id=buffer_id))
+        out = method(self, *args, **kwargs)
+        self._watch.progress()
+        return out
+
+    return run
+
+
 class PPQPipelineEngine(PipelineEngine):
     """``PipelineEngine`` whose activations and gradients cross stage boundaries compressed.
 
@@ -146,8 +162,15 @@ class PPQPipelineEngine(PipelineEngine):
         self._step_open = False  # codec state updates of this step can be rolled back (nonfinite="skip")
         self._stats = {(b, d): dict.fromkeys(_STAT_FIELDS, 0.0)
                        for b in range(self.num_stages - 1) for d in _DIRECTIONS}
+        self._watch = None
+        if self.is_pipe_parallel and self.ppq.watchdog_timeout_s > 0:
+            from deepspeed_ppq.integrations.watchdog import Watchdog
+
+            self._watch = Watchdog(self.ppq.watchdog_timeout_s, self.stage_id, self.global_rank)
         if self.is_pipe_parallel:
+            self._wait_for(f"the start-up handshake with the neighbouring stages of stage {self.stage_id}")
             self._handshake()
+            self._done_waiting(idle=True)
 
     # ----------------------------------------------------------------- set-up
     def _agreed_settings(self) -> dict:
@@ -286,7 +309,20 @@ class PPQPipelineEngine(PipelineEngine):
         try:
             return super()._exec_schedule(*args, **kwargs)
         finally:
+            self._wait_for("the last sends of the schedule to complete")
             self._wait_sends()  # a schedule (train or eval batch) ends with nothing in flight
+            self._done_waiting()
+
+    def _wait_for(self, what: str) -> None:
+        if self._watch is not None:
+            self._watch.waiting(what)
+
+    def _done_waiting(self, idle: bool = False, step_seconds: float | None = None) -> None:
+        if self._watch is not None:
+            if idle:
+                self._watch.idle(step_seconds)
+            else:
+                self._watch.progress()
 
     def _grad_buffer(self, idx: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """The decoded gradient of output ``idx``, reused across micro-batches as DeepSpeed reuses its
@@ -573,6 +609,8 @@ class PPQPipelineEngine(PipelineEngine):
     # ------------------------------------------------------------------- stats
     def train_batch(self, data_iter=None):
         self._nonfinite_where.clear()
+        t_step = time.perf_counter()
+        self._done_waiting()
         self._step_open = self._compressing  # a skipped or failed step rolls its codec state back
         if self._step_open:
             for side in self._codec_sides():
@@ -588,6 +626,7 @@ class PPQPipelineEngine(PipelineEngine):
             self._step_open = False
             for side in self._codec_sides():
                 side.commit()  # no-op after a skip (already rolled back)
+            self._done_waiting(idle=True, step_seconds=time.perf_counter() - t_step)
         self._nonfinite_where.clear()
         spp = self.steps_per_print() or 1
         if self.monitor.enabled and self.global_steps % spp == 0:
@@ -645,6 +684,7 @@ class PPQPipelineEngine(PipelineEngine):
         """DeepSpeed's ``eval_batch``; a non-finite value seen here (``ppq.nonfinite="skip"``) concerns this
         evaluation only and never skips the next training step."""
         self._nonfinite_where.clear()
+        self._done_waiting()
         try:
             return super().eval_batch(*args, **kwargs)
         except BaseException:
@@ -652,6 +692,7 @@ class PPQPipelineEngine(PipelineEngine):
             raise
         finally:
             self._nonfinite_where.clear()
+            self._done_waiting(idle=True)
 
     def ppq_stats(self, all_stages: bool = False) -> dict[tuple[int, str], dict[str, float]]:
         """Counters per ``(boundary, "act" | "grad")``: raw and on-wire bytes, side-channel bytes
@@ -675,12 +716,17 @@ class PPQPipelineEngine(PipelineEngine):
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
-        schedule.OptimizerStep: _exec_optimizer_step,
+        schedule.OptimizerStep: _watched(_exec_optimizer_step,
+                                         "the optimizer step's all-reduce over every stage"),
         schedule.LoadMicroBatch: _exec_load_micro_batch,
-        schedule.SendActivation: _exec_send_activations,
-        schedule.RecvActivation: _exec_recv_activations,
-        schedule.SendGrad: _exec_send_grads,
-        schedule.RecvGrad: _exec_recv_grads,
+        schedule.SendActivation: _watched(_exec_send_activations, "stage {next} to receive activations "
+                                                                  "(SendActivation, buffer {buffer_id})"),
+        schedule.RecvActivation: _watched(_exec_recv_activations, "activations from stage {prev} "
+                                                                  "(RecvActivation, buffer {buffer_id})"),
+        schedule.SendGrad: _watched(_exec_send_grads, "stage {prev} to receive gradients (SendGrad, buffer "
+                                                      "{buffer_id})"),
+        schedule.RecvGrad: _watched(_exec_recv_grads, "gradients from stage {next} (RecvGrad, buffer "
+                                                      "{buffer_id})"),
     }
 
 
