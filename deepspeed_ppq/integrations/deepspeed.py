@@ -50,6 +50,11 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from deepspeed_ppq.config import CodecConfig, PPQConfig, PPQConfigError, load_ppq_config
+from deepspeed_ppq.integrations.shm import release_at_exit
+
+# DeepSpeed's CPU backend leaves a /dev/shm buffer per rank from init_distributed on: registered for removal
+# at exit as soon as this module is imported, so a script that fails before initialize() leaves none.
+release_at_exit()
 
 __all__ = ["initialize", "PPQPipelineEngine", "CodecMismatchError", "NonFiniteStepError", "codec_settings",
            "check_codecs"]
