@@ -36,10 +36,7 @@ all ranks all-reduce a flag before the optimizer step and skip it together, and 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import time
-import types
 import warnings
 from typing import Any
 
@@ -50,6 +47,16 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from deepspeed_ppq.config import CodecConfig, PPQConfig, PPQConfigError, load_ppq_config
+from deepspeed_ppq.integrations.ds_setup import (
+    _check_sample_ids,
+    _optimizer_8bit,
+    _prepare_model,
+    _resolve_ds_config,
+    _wire_requantize,
+    check_codecs,
+)
+from deepspeed_ppq.integrations.handshake import CodecMismatchError, HandshakeMixin, codec_settings
+from deepspeed_ppq.integrations.nonfinite import NonFiniteMixin, NonFiniteStepError
 from deepspeed_ppq.integrations.shm import release_at_exit
 
 # DeepSpeed's CPU backend leaves a /dev/shm buffer per rank from init_distributed on: registered for removal
@@ -61,35 +68,6 @@ __all__ = ["initialize", "PPQPipelineEngine", "CodecMismatchError", "NonFiniteSt
 
 _DIRECTIONS = ("act", "grad")
 _STAT_FIELDS = ("raw_bytes", "wire_bytes", "side_bytes", "messages", "encode_s", "decode_s")
-
-
-class CodecMismatchError(RuntimeError):
-    """Two adjacent stages were started with different codec settings or partitions."""
-
-
-class NonFiniteStepError(RuntimeError):
-    """A tensor crossing a stage boundary held NaN/Inf and ``ppq.nonfinite`` is ``"error"``."""
-
-
-def codec_settings(cfg: PPQConfig) -> dict:
-    """The part of the ``"ppq"`` config that both sides of a boundary must agree on."""
-    return {
-        "activations": cfg.activations.model_dump(mode="json"),
-        "gradients": cfg.gradients.model_dump(mode="json"),
-        "aqsgd": cfg.aqsgd.model_dump(mode="json", include={"enabled", "warmup_steps"}),
-        "warmup_steps": cfg.warmup_steps,
-        "nonfinite": cfg.nonfinite,
-    }
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _own(x):
@@ -121,7 +99,7 @@ def _watched(method, what: str):
     return run
 
 
-class PPQPipelineEngine(PipelineEngine):
+class PPQPipelineEngine(HandshakeMixin, NonFiniteMixin, PipelineEngine):
     """``PipelineEngine`` whose activations and gradients cross stage boundaries compressed.
 
     Built by ``deepspeed_ppq.initialize``; takes the ``PipelineEngine`` arguments plus:
@@ -176,64 +154,6 @@ class PPQPipelineEngine(PipelineEngine):
             self._wait_for(f"the start-up handshake with the neighbouring stages of stage {self.stage_id}")
             self._handshake()
             self._done_waiting(idle=True)
-
-    # ----------------------------------------------------------------- set-up
-    def _agreed_settings(self) -> dict:
-        """What both sides of a boundary must agree on: the codec settings (``ppq.*``) and the partition
-        (``pipeline.*``: boundaries, layer and stage count), so ranks built differently stop at start-up
-        instead of computing a wrong model."""
-        parts = [int(p) for p in getattr(self.module, "parts", [])]
-        return {"ppq": codec_settings(self.ppq),
-                "pipeline": {"parts": parts, "num_layers": len(getattr(self.module, "_layer_specs", [])),
-                             "num_stages": self.num_stages}}
-
-    def _handshake(self) -> None:
-        """Exchange the agreed settings with both neighbours; stop both sides on a mismatch."""
-        mine = self._agreed_settings()
-        blob = json.dumps(mine, sort_keys=True).encode()
-        problems = []
-        # Boundary with the previous stage first, then the next: a chain, so no deadlock.
-        if not self.is_first_stage():
-            theirs = self._exchange_blob(self.prev_stage, blob, send_first=False)
-            problems += self._compare(mine, theirs, self.prev_stage)
-        if not self.is_last_stage():
-            theirs = self._exchange_blob(self.next_stage, blob, send_first=True)
-            problems += self._compare(mine, theirs, self.next_stage)
-        if problems:
-            raise CodecMismatchError("\n".join(problems))
-
-    def _exchange_blob(self, peer: int, blob: bytes, send_first: bool) -> bytes:
-        def send():
-            p2p.send(torch.tensor([len(blob)], dtype=torch.int64, device=self.device), peer)
-            p2p.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device), peer)
-
-        def recv() -> bytes:
-            n = torch.zeros(1, dtype=torch.int64, device=self.device)
-            p2p.recv(n, peer)
-            buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=self.device)
-            p2p.recv(buf, peer)
-            return bytes(buf.cpu().numpy().tobytes())
-
-        if send_first:
-            send()
-            return recv()
-        out = recv()
-        send()
-        return out
-
-    def _compare(self, mine: dict, theirs_blob: bytes, peer: int) -> list[str]:
-        theirs = json.loads(theirs_blob)
-        if hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).digest() == \
-                hashlib.sha256(theirs_blob).digest():
-            return []
-        a, b = _flatten(mine), _flatten(theirs)
-        diffs = [f"{k}: stage {self.stage_id} has {a.get(k)!r}, stage {peer} has {b.get(k)!r}"
-                 for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-        lo, hi = sorted((self.stage_id, peer))
-        return [f"settings differ across boundary {lo} (stage {lo} -> {hi}); every stage must be started "
-                "with the same ppq activations/gradients/aqsgd/warmup_steps/nonfinite settings and the same "
-                "partition (pipeline.parts: build every rank's module with the same layers and boundaries, "
-                "e.g. PPQPipelineModule.from_config with one config):\n  " + "\n  ".join(diffs)]
 
     def _boundary(self, direction: str, sending: bool) -> int:
         """The boundary index this stage talks over for ``direction``."""
@@ -551,66 +471,6 @@ class PPQPipelineEngine(PipelineEngine):
         g = self.ppq.gradients
         return g.method == "topk" and g.reuse_indices
 
-    # -------------------------------------------------------------- non-finite
-    def _check_raw(self, tensors, direction: str, boundary: int, sender: bool) -> None:
-        """Non-finite check of a message that went through DeepSpeed's own (uncompressed) path: warm-up
-        steps, raw evaluation. Only when a codec is configured: codec "none" stays stock DeepSpeed."""
-        if not self._compressing:
-            return
-        for idx, t in enumerate(x for x in tensors if x is not None and x.is_floating_point()):
-            if not bool(torch.isfinite(t).all()):
-                flagged = types.SimpleNamespace(last_nonfinite=True)
-                self._check_flag(flagged, direction, boundary, idx, sender=sender)
-                if sender:
-                    self._raise_if_sender_flagged()
-                return
-
-    def _check_flag(self, side, direction: str, boundary: int, idx: int, sender: bool) -> None:
-        """``side``: the encoder or decoder that just ran; its ``last_nonfinite`` is the payload's flag."""
-        if not side.last_nonfinite:
-            return
-        where = f"stage {self.stage_id}, {self._name(direction, boundary, idx)}"
-        self._nonfinite_where.append(where)
-        if self.ppq.nonfinite == "error" and not sender:
-            raise NonFiniteStepError(
-                f"NaN/Inf received at {where} (step {self.global_steps}); ppq.nonfinite='error' stops "
-                "training. Set ppq.nonfinite='skip' to skip such steps instead.")
-
-    def _raise_if_sender_flagged(self) -> None:
-        # Raised after the flagged payload went out, so the receiver stops as well instead of hanging.
-        if self.ppq.nonfinite == "error" and self._nonfinite_where:
-            self._wait_sends()
-            raise NonFiniteStepError(
-                f"NaN/Inf to send at {self._nonfinite_where[-1]} (step {self.global_steps}); "
-                "ppq.nonfinite='error' stops training. Set ppq.nonfinite='skip' to skip such steps instead.")
-
-    def _exec_optimizer_step(self, lr_kwargs=None):
-        if self._compressing and self.ppq.nonfinite == "skip":
-            flag = torch.tensor([float(bool(self._nonfinite_where))], device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item() > 0:
-                self._skip_step()
-                return
-        super()._exec_optimizer_step(lr_kwargs)
-
-    def _codec_sides(self):
-        return [*self._encoders.values(), *self._decoders.values()]
-
-    def _skip_step(self) -> None:
-        where = "; ".join(self._nonfinite_where) or "another stage"
-        for side in self._codec_sides():
-            side.rollback()  # EF/EF21/AQ-SGD state as if this step's batch had never been seen
-        warnings.warn(f"ppq: skipping optimizer step {self.global_steps}: NaN/Inf crossed a stage boundary "
-                      f"(seen at {where})", RuntimeWarning, stacklevel=2)
-        self._nonfinite_where.clear()
-        if self.bfloat16_enabled() or self.zero_optimization() or self.fp16_enabled():
-            self.optimizer.zero_grad()
-        else:
-            self.zero_grad()
-        self.skipped_steps += 1
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
-
     # ------------------------------------------------------------------- stats
     def train_batch(self, data_iter=None):
         self._nonfinite_where.clear()
@@ -721,7 +581,7 @@ class PPQPipelineEngine(PipelineEngine):
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
-        schedule.OptimizerStep: _watched(_exec_optimizer_step,
+        schedule.OptimizerStep: _watched(NonFiniteMixin._exec_optimizer_step,
                                          "the optimizer step's all-reduce over every stage"),
         schedule.LoadMicroBatch: _exec_load_micro_batch,
         schedule.SendActivation: _watched(_exec_send_activations, "stage {next} to receive activations "
@@ -733,161 +593,6 @@ class PPQPipelineEngine(PipelineEngine):
         schedule.RecvGrad: _watched(_exec_recv_grads, "gradients from stage {next} (RecvGrad, buffer "
                                                       "{buffer_id})"),
     }
-
-
-def check_codecs(cfg: PPQConfig) -> None:
-    """Build each direction's encoder and decoder once, so codec settings the codecs reject fail at
-    start-up on every rank instead of at the first send on one.
-
-    Raises:
-        PPQConfigError: naming the direction and the codec's complaint.
-    """
-    from deepspeed_ppq.compress import BoundaryDecoder, BoundaryEncoder
-
-    for field, direction in (("activations", "activations"), ("gradients", "gradients")):
-        codec = getattr(cfg, field)
-        aq = cfg.aqsgd if field == "activations" and cfg.aqsgd.enabled else None
-        try:
-            BoundaryEncoder(codec, name=f"ppq.{field}", aqsgd=aq, direction=direction, nonfinite="skip")
-            BoundaryDecoder(codec, name=f"ppq.{field}", aqsgd=aq, direction=direction)
-        except ValueError as err:
-            settings = codec.model_dump(mode="json")
-            raise PPQConfigError(f"ppq.{field}={settings} is not usable: {err}") from None
-
-
-def _check_sample_ids(training_data, declared: bool | None) -> None:
-    """AQ-SGD needs each sample's dataset index on every stage: fail at start-up if none will come."""
-    if training_data is not None:
-        item = training_data[0]
-        if isinstance(item, (tuple, list)) and len(item) == 3:
-            return
-        raise PPQConfigError(
-            "ppq.aqsgd.enabled=true needs the dataset index of every sample: training_data items must be "
-            f"(inputs, labels, sample_id), got {type(item).__name__} of length "
-            f"{len(item) if hasattr(item, '__len__') else '?'} "
-            "(wrap the dataset: deepspeed_ppq.integrations.WithSampleIds)")
-    if not declared:
-        raise PPQConfigError(
-            "ppq.aqsgd.enabled=true needs the dataset index of every sample, and no training_data was given: "
-            "pass sample_ids=True to deepspeed_ppq.initialize and make the data iterator yield "
-            "(inputs, labels, sample_ids) batches, or set ppq.aqsgd.enabled=false")
-
-
-def _resolve_ds_config(args, config, config_params) -> dict:
-    if config is None and config_params is not None:
-        config = config_params
-    if config is None and getattr(args, "deepspeed_config", None) is not None:
-        config = args.deepspeed_config
-    if config is None:
-        raise ValueError("DeepSpeed requires a config: pass config=... or args.deepspeed_config")
-    if isinstance(config, dict):
-        return config
-    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
-
-    return load_ds_config(config)
-
-
-def _prepare_model(model, ppq: PPQConfig, ds_config: dict, optimizer, model_parameters, block_layers,
-                   recompute_stages, recompute_layers) -> None:
-    """Apply ``ppq.weights`` (unless the model already holds ``QuantLinear`` layers) and per-stage
-    recomputation to ``model`` before DeepSpeed sees its parameters."""
-    from deepspeed_ppq.integrations.stage import (
-        apply_recompute,
-        apply_weights,
-        infer_block_layers,
-        recompute_flags,
-    )
-    from deepspeed_ppq.quant import QuantLinear, convert_model
-
-    is_pipe = isinstance(model, PipelineModule)
-    if is_pipe and block_layers is None:
-        block_layers = getattr(model, "block_layers", None) or infer_block_layers(model._layer_specs)
-    already = any(isinstance(m, QuantLinear) for m in model.modules())
-    w = ppq.weights
-    if not already and (w.format.value != "none" or w.rules):
-        if is_pipe:
-            apply_weights(model, w, block_layers)
-        else:
-            convert_model(model, w, **({} if block_layers is None else {"block_layers": block_layers}))
-        _check_params_live(model, optimizer, model_parameters, w.format.value)
-    if recompute_stages is None and recompute_layers is None:
-        recompute_stages = (ds_config.get("pipeline") or {}).get("recompute_stages")
-        if recompute_stages is not None and is_pipe:
-            # the config's per-stage choice replaces its activation_checkpoint_interval, which the module
-            # may have been built with (the engine turns the config's value off the same way)
-            model.activation_checkpoint_interval = 0
-    if recompute_stages is not None or recompute_layers is not None:
-        if not is_pipe:
-            raise PPQConfigError("recompute_stages/recompute_layers apply to a PipelineModule's stages; "
-                                 f"the model is a {type(model).__name__}")
-        flags = recompute_flags(len(model._layer_specs), model.parts, recompute_stages=recompute_stages,
-                                recompute_layers=recompute_layers, block_layers=block_layers)
-        done = set(getattr(model, "ppq_recomputed", [])) | set(apply_recompute(model, flags))
-        model.ppq_recomputed = sorted(done)
-
-
-def _optimizer_8bit(model, optimizer, ds_config: dict):
-    """``ppq.weights.optimizer_8bit``: build the config's Adam/AdamW as bitsandbytes 8-bit Adam
-    (``quant.build_optimizer``) in place of DeepSpeed's; an optimizer given that is not 8-bit is refused."""
-    from deepspeed_ppq.integrations.plan_apply import _hyper
-    from deepspeed_ppq.quant.optim import build_optimizer
-
-    if optimizer is not None:
-        if "8bit" in type(optimizer).__name__.lower():
-            return optimizer, ds_config
-        raise PPQConfigError(
-            f"ppq.weights.optimizer_8bit=true but the optimizer given is {type(optimizer).__name__}: pass "
-            "optimizer=None and an Adam/AdamW \"optimizer\" section in the DeepSpeed config (it is built "
-            "8-bit), pass deepspeed_ppq.quant.build_optimizer(params, 'adamw8bit'), or set "
-            "optimizer_8bit=false")
-    sec = ds_config.get("optimizer") or {}
-    if str(sec.get("type", "")).lower() not in ("adam", "adamw"):
-        raise PPQConfigError(
-            f"ppq.weights.optimizer_8bit=true needs an Adam or AdamW optimizer; the DeepSpeed config's "
-            f"optimizer.type is {sec.get('type')!r}: set it to 'AdamW' (or 'Adam'), or set "
-            "optimizer_8bit=false")
-    kind, hp = _hyper(None, ds_config)
-    opt = build_optimizer([p for p in model.parameters() if p.requires_grad], kind + "8bit", **hp)
-    return opt, {k: v for k, v in ds_config.items() if k != "optimizer"}
-
-
-def _check_params_live(model, optimizer, model_parameters, fmt: str) -> None:
-    """The optimizer (or parameter list) given must hold the parameters of the converted model."""
-    given = []
-    if optimizer is not None and hasattr(optimizer, "param_groups"):
-        given = [p for g in optimizer.param_groups for p in g["params"]]
-    elif isinstance(model_parameters, (list, tuple)):
-        for item in model_parameters:
-            given += list(item["params"]) if isinstance(item, dict) else [item]
-    live = {id(p) for p in model.parameters()}
-    if any(id(p) not in live for p in given):
-        raise PPQConfigError(
-            f"ppq.weights.format={fmt!r} replaced Linear layers whose parameters the given optimizer/"
-            "model_parameters hold: build the optimizer after converting, e.g. PPQPipelineModule(..., "
-            "weights=cfg.weights) or quant.convert_model(model, cfg.weights) first, or let DeepSpeed "
-            "build it from the config's \"optimizer\" section")
-
-
-def _wire_requantize(engine) -> None:
-    """After each optimizer step: refresh every train-mode ``QuantLinear`` compute copy from its fp32
-    master, and update the master-free layers (``weights.master="none"``) in place.
-
-    Whether any stage has master-free layers is agreed over all ranks: their clip norm is a collective,
-    so a stage without such layers (say one whose blocks all stay high precision) joins it too."""
-    import torch.distributed as dist
-
-    from deepspeed_ppq.quant import QuantLinear, attach_master_free, master_free_layers, requantize_after_step
-
-    module = getattr(engine, "module", None)
-    if module is None or engine.optimizer is None:
-        return
-    if any(isinstance(m, QuantLinear) and m.mode == "train" and not m.master_free for m in module.modules()):
-        engine.ppq_requantize_handle = requantize_after_step(engine, module)
-    any_master_free = torch.tensor([int(bool(master_free_layers(module)))])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(any_master_free, op=dist.ReduceOp.MAX)
-    if any_master_free.item():
-        engine.ppq_master_free_handle = attach_master_free(engine, module, allow_empty=True)
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
@@ -932,8 +637,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     capture_initialize(dict(args=args, model=model, optimizer=optimizer, training_data=training_data,
                             config=config, config_params=config_params))  # under `ppq tune`: stop here
-    from deepspeed_ppq.integrations.shm import release_at_exit
-
     release_at_exit()  # DeepSpeed's CPU backend never unlinks its /dev/shm all-reduce buffers
 
     import deepspeed
