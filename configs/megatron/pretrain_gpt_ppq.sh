@@ -27,4 +27,6 @@ ARGS=(
   --ppq-warmup-steps 100
 )
 
+# Sourced (by pretrain_gpt_ppq.sbatch): define the variables and ARGS only.
+if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then return 0; fi
 torchrun --nproc-per-node 8 -m megatron_patches.run pretrain_gpt.py "${ARGS[@]}"
