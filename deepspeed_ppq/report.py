@@ -35,12 +35,8 @@ def collect_report() -> dict:
     """Everything ``ppq report`` prints, as a dict."""
     from deepspeed_ppq import __version__, ops
 
-    try:
-        from deepspeed_ppq import _C
-
-        build = _C.build_info()
-    except ImportError:
-        build = "not built"
+    mod = ops._CPU_MODULE.get("module")
+    build = mod.build_info() if mod is not None else "not built"
     kernels = {}
     for name in sorted(ops.registered_ops()):
         devs = ["reference"]
@@ -59,6 +55,8 @@ def collect_report() -> dict:
         "transformer_engine": _transformer_engine(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
         "native": ops.native_status(),
+        "cpu_isa": f"{ops.cpu_isa()} (this CPU runs: {', '.join(ops.supported_cpu_isas())}; "
+        "PPQ_CPU_ISA forces one)",
         "cpu_build": build,
         "kernels": kernels,
     }

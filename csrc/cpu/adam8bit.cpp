@@ -20,8 +20,12 @@
 //   a time, table reads as gathers (2.5 ns per parameter on one core here; a scalar bisection with
 //   branches ran at 80 ns, bitsandbytes' CPU backend at ~20 ns).
 // * Built with -ffp-contract=off (setup.py): products and sums round separately, as the reference's.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
+
+#include "isa.h"
 
 #include <algorithm>
 #include <bit>
@@ -31,10 +35,11 @@
 #include <memory>
 #include <mutex>
 #include <vector>
-#ifdef __AVX512F__
+#if PPQ_ISA_AVX512
 #include <immintrin.h>
 // GCC 12's false positive on the intrinsics' _mm512_undefined_*() placeholders (see weights.cpp).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 namespace {
@@ -111,7 +116,7 @@ inline uint8_t encode(const Map& m, float y) {
   return uint8_t(k);
 }
 
-#ifdef __AVX512F__
+#if PPQ_ISA_AVX512
 // encode() for 16 values (lut maps only), the codes in the low byte of each 32-bit lane.
 inline __m512i encode16(const Map& m, __m512 y) {
   const __m512i u = _mm512_castps_si512(y);
@@ -166,7 +171,7 @@ void adam8bit_blockwise_step_(at::Tensor& p, const at::Tensor& g, at::Tensor& st
     const float a1 = a1p[b], a2 = a2p[b];
     float mx1 = 0.0f, mx2 = 0.0f;
     int64_t j = 0;
-#ifdef __AVX512F__
+#if PPQ_ISA_AVX512
     {  // the loop below, 16 values at a time (same operations, same order)
       const __m512 vb1 = _mm512_set1_ps(b1), vb2 = _mm512_set1_ps(b2), vob1 = _mm512_set1_ps(ob1);
       const __m512 vob2 = _mm512_set1_ps(ob2), vc2 = _mm512_set1_ps(c2), ve = _mm512_set1_ps(e);
@@ -213,7 +218,7 @@ void adam8bit_blockwise_step_(at::Tensor& p, const at::Tensor& g, at::Tensor& st
     a2p[b] = mx2;
     const float r1 = mx1 > 0.0f ? mx1 : 1.0f, r2 = mx2 > 0.0f ? mx2 : 1.0f;  // all-zero block: codes of 0
     int64_t i = 0;
-#ifdef __AVX512F__
+#if PPQ_ISA_AVX512
     if (m1.lut && m2.lut) {
       const __m512 vr1 = _mm512_set1_ps(r1), vr2 = _mm512_set1_ps(r2);
       for (; i + 16 <= len; i += 16) {

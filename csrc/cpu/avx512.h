@@ -16,7 +16,9 @@
 // AVX-512 (-march=native on these machines); the kernels keep scalar loops for everything else.
 #pragma once
 
-#ifdef __AVX512F__
+#include "isa.h"
+
+#if PPQ_ISA_AVX512
 #include <immintrin.h>
 
 #include <cstdint>
@@ -81,4 +83,4 @@ inline __m512 fp8_value16(__m512i c) {
 
 }  // namespace ppq::avx512
 
-#endif  // __AVX512F__
+#endif  // PPQ_ISA_AVX512

@@ -20,6 +20,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "isa.h"
+
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 

@@ -22,12 +22,15 @@
 //   kernels in fp8.h. NF4 encodes by a 32-bin table plus one compare, and decodes with a 16-entry permute.
 // * Outputs go into caller-provided buffers (`*_out` ops); the allocating ops allocate and call them.
 // * bf16 out: round-to-nearest-even of the fp32 product, as torch's .to(bfloat16).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <c10/util/BFloat16.h>
 
 #include "avx512.h"
 #include "fp8.h"
+#include "isa.h"
 
 #include <algorithm>
 #include <bit>
@@ -35,11 +38,12 @@
 #include <cstdint>
 #include <cstring>
 #include <string_view>
-#ifdef __AVX512F__
+#if PPQ_ISA_AVX512
 #include <immintrin.h>
 // GCC 12 reports the _mm512_undefined_*() placeholders inside the intrinsics as maybe-uninitialized
 // once they are inlined into OpenMP-outlined functions: a known false positive (GCC bug 105593).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 namespace {
@@ -210,7 +214,7 @@ inline void store(Out* o, int64_t i, float v) {
   }
 }
 
-#ifdef __AVX512F__
+#if PPQ_ISA_AVX512
 inline void store16(float* o, __m512 x) { _mm512_storeu_ps(o, x); }
 inline void store16(uint16_t* o, __m512 x) {  // 16 x fp32 -> bf16, round to nearest even as f32_to_bf16
   const __m512i u = _mm512_castps_si512(x);
@@ -261,7 +265,7 @@ void decode_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o) {
   }
 }
 
-#ifdef __AVX512F__
+#if PPQ_ISA_AVX512
 // ---- AVX-512 full-block paths ------------------------------------------------------------------
 // Full blocks (every block but a partial last one) are a multiple of 16 values, so these loops run
 // without remainders. They read fp32 or bf16 straight from the input (bf16 widened in-register: a zero
@@ -388,10 +392,15 @@ inline void store_bytes(int64_t len, uint8_t* out, F code16) {
                                       0, 0, 0, 0, 0, 0, 124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80,
                                       76, 72, 68, 64, 60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
   int64_t i = 0;
+#ifdef __AVX512VBMI__  // a PPQ_MARCH build for a CPU with VBMI; x86-64-v4 has no byte permute
   for (; i + 32 <= len; i += 32) {
     const __m512i both = _mm512_permutex2var_epi8(code16(i), idx, code16(i + 16));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_castsi512_si256(both));
   }
+#else
+  (void)idx;
+  for (; i + 16 < len; i += 16) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(code16(i)));
+#endif
   if (i < len) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(code16(i)));
 }
 // The same for 4-bit codes (0..15 per 32-bit lane), two per byte, the first in the high nibble.
@@ -402,10 +411,16 @@ inline void store_nibbles(int64_t len, uint8_t* out, F code16) {
                                       120, 112, 104, 96, 88, 80, 72, 64, 56, 48, 40, 32, 24, 16, 8, 0);
   auto pairs = [](__m512i k) { return _mm512_or_si512(_mm512_slli_epi64(k, 4), _mm512_srli_epi64(k, 32)); };
   int64_t i = 0;
+#ifdef __AVX512VBMI__
   for (; i + 32 <= len; i += 32) {
     const __m512i both = _mm512_permutex2var_epi8(pairs(code16(i)), idx, pairs(code16(i + 16)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i / 2), _mm512_castsi512_si128(both));
   }
+#else
+  (void)idx;
+  (void)pairs;
+  for (; i + 16 < len; i += 16) _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2), pack_nibbles(code16(i)));
+#endif
   if (i < len) _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2), pack_nibbles(code16(i)));
 }
 
@@ -535,7 +550,7 @@ void quantize_impl(const at::Tensor& x, Fmt f, int64_t B, uint8_t* codes, const 
   // every block without AVX-512) is widened to fp32 into `buf` and takes the scalar loops.
   auto block_absmax = [&](int64_t b, float* buf) {
     const int64_t len = block_len(b);
-#ifdef __AVX512F__
+#if PPQ_ISA_AVX512
     if (len % 16 == 0) return avx::absmax_bits(xp + b * B, len);
 #endif
     return absmax_bits(load_block<BF16>(xp, b * B, len, buf), len);
@@ -543,7 +558,7 @@ void quantize_impl(const at::Tensor& x, Fmt f, int64_t B, uint8_t* codes, const 
   auto block_encode = [&](int64_t b, float s, float mult, float* buf) {
     const int64_t len = block_len(b);
     uint8_t* c = codes + (packed4(f) ? b * B / 2 : b * B);
-#ifdef __AVX512F__
+#if PPQ_ISA_AVX512
     if (len == B) return avx::encode_full_block(xp + b * B, len, f, mult, c);
 #endif
     encode_block(load_block<BF16>(xp, b * B, len, buf), len, f, s, len != B, c);
@@ -578,7 +593,7 @@ void quantize_impl(const at::Tensor& x, Fmt f, int64_t B, uint8_t* codes, const 
       for (int64_t j = 0; j < nbc; ++j) sc[j] = per_tensor ? tensor_scale : sf[b0 + j];
     } else {
       int64_t j = 0;
-#ifdef __AVX512F__
+#if PPQ_ISA_AVX512
       if (B <= 64) {  // short blocks: 16 at a time, without a horizontal reduction each
         for (; j + 16 <= nbc && block_len(b0 + j + 15) == B; j += 16) avx::absmax_bits16(xp + (b0 + j) * B, B, mb + j);
       }
@@ -644,7 +659,7 @@ void dequantize_impl(const uint8_t* codes, const S* sp, bool per_tensor, Fmt f, 
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t len = b == nb - 1 ? tail_len : B;
     const uint8_t* c = codes + (packed4(f) ? b * B / 2 : b * B);
-#ifdef __AVX512F__
+#if PPQ_ISA_AVX512
     if (len % 16 == 0) {
       avx::decode_full_block<Out>(c, len, f, scale(b), o + b * B);
       continue;

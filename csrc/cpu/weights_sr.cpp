@@ -23,12 +23,15 @@
 // * A block holding NaN/Inf gets a NaN scale and zero codes; the Python front end raises.
 // * Kept apart from weights.cpp (another concern's file); the scalar helpers repeat on purpose, the
 //   AVX-512 ones are shared through avx512.h.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <c10/util/BFloat16.h>
 
 #include "avx512.h"
 #include "fp8.h"
+#include "isa.h"
 
 #include <algorithm>
 #include <cmath>
@@ -37,7 +40,7 @@
 #include <limits>
 #include <string>
 #include <string_view>
-#ifdef __AVX512F__
+#if PPQ_ISA_AVX512
 #include <immintrin.h>
 // GCC 12's false positive on the intrinsics' _mm512_undefined_*() placeholders (see weights.cpp).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -86,7 +89,7 @@ inline uint8_t sr_fp8(float y, float a, float u, int top) {
   return static_cast<uint8_t>(y < 0.0f ? (q | 0x80) : q);
 }
 
-#ifdef __AVX512F__
+#if PPQ_ISA_AVX512
 using ppq::avx512::fp8_rne16;
 using ppq::avx512::fp8_value16;
 
@@ -108,7 +111,7 @@ inline __m128i sr_fp8_16(__m512 y, __m512 a, __m512 u) {
 float block_absmax(const void* x, bool bf16, int64_t i0, int64_t i1, bool* bad) {
   float m = 0.0f;
   bool b = false;
-#ifdef __AVX512F__
+#if PPQ_ISA_AVX512
   // avx512.h's integer-bits max over the whole multiple of 16 (NaN/Inf: bits >= 0x7f800000); a scalar
   // max chain here cost as much as the whole encode.
   uint32_t mb = 0;
@@ -154,7 +157,7 @@ void block_uniforms(int64_t i0, int64_t i1, uint64_t offset, uint32_t key, float
 void encode_int8(const float* __restrict xf, const float* __restrict u, int8_t* __restrict out, int64_t len,
                  float inv, float qmax) {
   int64_t j = 0;
-#ifdef __AVX512F__
+#if PPQ_ISA_AVX512
   {
     const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-qmax), hi = _mm512_set1_ps(qmax);
     const __m512i one = _mm512_set1_epi32(1);
@@ -202,7 +205,7 @@ void encode_t(const void* x, int64_t i0, int64_t i1, float inv, bool finite, uin
   } else {
     const float qmax = sr_qmax(F);
     int64_t j = 0;
-#ifdef __AVX512F__
+#if PPQ_ISA_AVX512
     {  // the loop below, 16 at a time
       const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-qmax), hi = _mm512_set1_ps(qmax);
       for (; j + 16 <= len; j += 16) {

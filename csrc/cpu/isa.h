@@ -1,0 +1,64 @@
+// Which instruction-set path this compilation of the CPU kernels is (see csrc/README.md).
+//
+// Design note. Every csrc/cpu/*.cpp is compiled once per variant (setup.py): "scalar" (plain x86-64),
+// "avx2" (x86-64-v3) and "avx512" (x86-64-v4), each into its own extension module; Python imports the
+// one module the CPU runs (deepspeed_ppq/ops/__init__.py). A kernel file picks its fast path with
+// `#if PPQ_ISA_AVX512` / `#elif PPQ_ISA_AVX2` and keeps a scalar path for the rest, so the scalar
+// module holds no AVX instruction at all (the compiler flags forbid them) and the AVX2 module no
+// AVX-512 one. PPQ_ISA comes from setup.py; a build without it (PPQ_MARCH, a hand-made build) takes
+// the widest path the compiler flags allow.
+#pragma once
+
+#define PPQ_ISA_SCALAR_ID 1
+#define PPQ_ISA_AVX2_ID 2
+#define PPQ_ISA_AVX512_ID 3
+
+// AVX-512 as the kernels use it: x86-64-v4's F, BW, DQ and VL subsets.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define PPQ_HAVE_AVX512_FLAGS 1
+#else
+#define PPQ_HAVE_AVX512_FLAGS 0
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__BMI2__) && defined(__F16C__)
+#define PPQ_HAVE_AVX2_FLAGS 1
+#else
+#define PPQ_HAVE_AVX2_FLAGS 0
+#endif
+
+#ifndef PPQ_ISA
+#if PPQ_HAVE_AVX512_FLAGS
+#define PPQ_ISA PPQ_ISA_AVX512_ID
+#elif PPQ_HAVE_AVX2_FLAGS
+#define PPQ_ISA PPQ_ISA_AVX2_ID
+#else
+#define PPQ_ISA PPQ_ISA_SCALAR_ID
+#endif
+#endif
+
+#if PPQ_ISA == PPQ_ISA_AVX512_ID
+#if !PPQ_HAVE_AVX512_FLAGS
+#error "PPQ_ISA=3 (avx512) needs -march=x86-64-v4 or wider"
+#endif
+#define PPQ_ISA_AVX512 1
+#define PPQ_ISA_AVX2 0
+#define PPQ_ISA_NAME "avx512"
+#elif PPQ_ISA == PPQ_ISA_AVX2_ID
+#if !PPQ_HAVE_AVX2_FLAGS
+#error "PPQ_ISA=2 (avx2) needs -march=x86-64-v3 or wider"
+#endif
+#if defined(__AVX512F__)
+#error "PPQ_ISA=2 (avx2) must not be compiled with AVX-512 enabled: the module would run only on AVX-512 CPUs"
+#endif
+#define PPQ_ISA_AVX512 0
+#define PPQ_ISA_AVX2 1
+#define PPQ_ISA_NAME "avx2"
+#elif PPQ_ISA == PPQ_ISA_SCALAR_ID
+#if defined(__AVX__) && !defined(PPQ_MARCH_BUILD)
+#error "PPQ_ISA=1 (scalar) must be compiled for plain x86-64 (no AVX): it is the module for every CPU"
+#endif
+#define PPQ_ISA_AVX512 0
+#define PPQ_ISA_AVX2 0
+#define PPQ_ISA_NAME "scalar"
+#else
+#error "PPQ_ISA must be 1 (scalar), 2 (avx2) or 3 (avx512)"
+#endif
