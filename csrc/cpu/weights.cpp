@@ -7,8 +7,9 @@
 // * One pass over memory. A block (<= 4096 values, <= 16 KiB fp32) is read once from DRAM; the absmax
 //   loop and the encode loop then run on L1-resident data. Blocks are independent, so OpenMP splits
 //   them statically across torch's thread count (two cores here: one stream each).
-// * Two paths. Full blocks (all but a partial last one; a multiple of 16 values) take explicit AVX-512
-//   loops (namespace avx) that read fp32 or bf16 straight from the input, bf16 widened in-register.
+// * Per ISA (isa.h): full blocks (all but a partial last one; a multiple of 16 values) take explicit
+//   AVX-512 or AVX2 loops (namespace avx, one per module, same names) that read fp32 or bf16 straight
+//   from the input, bf16 widened in-register.
 //   The partial last block, and every block on a machine without AVX-512, takes the scalar loops,
 //   bf16 widened into a stack buffer first. Both give the same bits (the tests compare them with the
 //   reference; on this machine the scalar loops run for partial last blocks). (GCC's own vectorisation of the scalar loops spilled mask registers and ran at about one
@@ -28,6 +29,7 @@
 #include <torch/library.h>
 #include <c10/util/BFloat16.h>
 
+#include "avx2.h"
 #include "avx512.h"
 #include "fp8.h"
 #include "isa.h"
@@ -38,7 +40,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string_view>
-#if PPQ_ISA_AVX512
+#if PPQ_ISA_AVX512 || PPQ_ISA_AVX2
 #include <immintrin.h>
 // GCC 12 reports the _mm512_undefined_*() placeholders inside the intrinsics as maybe-uninitialized
 // once they are inlined into OpenMP-outlined functions: a known false positive (GCC bug 105593).
@@ -118,6 +120,30 @@ inline float rne(float y) {
 }
 
 inline int threads() { return std::max(1, at::get_num_threads()); }
+
+// NF4 encode by table instead of search: split [-1, 1] into 32 bins of width 1/16. Adjacent NF4
+// midpoints are >= 0.08 apart, so a bin holds at most one; the code of y (the count of midpoints < y)
+// is then base[bin] (midpoints below the bin) + (y > the bin's midpoint, +inf if none). The kernel
+// works on 16 y = x * (16 / s) (exact: a power-of-two scale commutes with rounding), so bin =
+// floor(16 y) + 16 and the comparison is against 16 * midpoint: the codes are the search's, bit for bit.
+struct NF4Bins {
+  int32_t base[32];
+  float mid16[32];  // 16 x the bin's midpoint
+  constexpr NF4Bins() : base{}, mid16{} {
+    for (int j = 0; j < 32; ++j) {
+      const float lo = -1.0f + j / 16.0f, hi = lo + 1.0f / 16.0f;
+      mid16[j] = INFINITY;
+      for (int i = 0; i < 15; ++i) {
+        if (kMid.v[i] < lo) base[j] += 1;
+        if (kMid.v[i] >= lo && kMid.v[i] < hi) {
+          if (mid16[j] != INFINITY) throw "two NF4 midpoints in one bin";  // fails the constant evaluation
+          mid16[j] = 16.0f * kMid.v[i];
+        }
+      }
+    }
+  }
+};
+constexpr NF4Bins kBins{};
 
 // ---- per-block pieces ---------------------------------------------------------------------
 template <bool BF16, typename In>
@@ -320,29 +346,6 @@ inline __m128i pack_nibbles(__m512i k) {
   return _mm512_cvtepi64_epi8(pairs);  // low 8 bytes
 }
 
-// NF4 encode by table instead of search: split [-1, 1] into 32 bins of width 1/16. Adjacent NF4
-// midpoints are >= 0.08 apart, so a bin holds at most one; the code of y (the count of midpoints < y)
-// is then base[bin] (midpoints below the bin) + (y > the bin's midpoint, +inf if none). The kernel
-// works on 16 y = x * (16 / s) (exact: a power-of-two scale commutes with rounding), so bin =
-// floor(16 y) + 16 and the comparison is against 16 * midpoint: the codes are the search's, bit for bit.
-struct NF4Bins {
-  int32_t base[32];
-  float mid16[32];  // 16 x the bin's midpoint
-  constexpr NF4Bins() : base{}, mid16{} {
-    for (int j = 0; j < 32; ++j) {
-      const float lo = -1.0f + j / 16.0f, hi = lo + 1.0f / 16.0f;
-      mid16[j] = INFINITY;
-      for (int i = 0; i < 15; ++i) {
-        if (kMid.v[i] < lo) base[j] += 1;
-        if (kMid.v[i] >= lo && kMid.v[i] < hi) {
-          if (mid16[j] != INFINITY) throw "two NF4 midpoints in one bin";  // fails the constant evaluation
-          mid16[j] = 16.0f * kMid.v[i];
-        }
-      }
-    }
-  }
-};
-constexpr NF4Bins kBins{};
 
 // 16 NF4 codes (one per 32-bit lane) of y16 = 16 y.
 inline __m512i nf4_codes(__m512 y16) {
@@ -500,7 +503,194 @@ void decode_full_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o
 }
 
 }  // namespace avx
-#endif
+#endif  // PPQ_ISA_AVX512
+
+#if PPQ_ISA_AVX2
+// ---- AVX2 full-block paths ---------------------------------------------------------------------
+// The AVX-512 paths above on 8 lanes, with the same names and the same bits (tests compare every code
+// and value with the reference on this path too). What differs: 32-entry tables (NF4 bins) are four
+// vpermps and three blends instead of one vpermt2d; narrowing to bytes is avx2.h's bytes32/bytes16
+// (truncating, like vpmovdb); bf16 stores round in integer lanes and pack with vpackusdw.
+namespace avx {
+
+using ppq::avx2::absmax_bits;
+using ppq::avx2::bytes16;
+using ppq::avx2::bytes32;
+using ppq::avx2::fp8_rne8;
+using ppq::avx2::fp8_value8;
+using ppq::avx2::load8;
+using ppq::avx2::store16;
+
+inline __m256 clamp(__m256 y, __m256 lo, __m256 hi) { return _mm256_min_ps(hi, _mm256_max_ps(lo, y)); }
+
+// Entry j & 31 of a 32-entry table held in t[0..3] (8 lanes each).
+inline __m256 lookup32(const __m256* t, __m256i j) {
+  const __m256 b3 = _mm256_castsi256_ps(_mm256_slli_epi32(j, 28)), b4 = _mm256_castsi256_ps(_mm256_slli_epi32(j, 27));
+  const __m256 lo = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t[0], j), _mm256_permutevar8x32_ps(t[1], j), b3);
+  const __m256 hi = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t[2], j), _mm256_permutevar8x32_ps(t[3], j), b3);
+  return _mm256_blendv_ps(lo, hi, b4);
+}
+// Entry k & 15 of a 16-entry table held in t[0..1].
+inline __m256 lookup16(const __m256* t, __m256i k) {
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t[0], k), _mm256_permutevar8x32_ps(t[1], k),
+                          _mm256_castsi256_ps(_mm256_slli_epi32(k, 28)));
+}
+
+// 8 NF4 codes (one per 32-bit lane) of y16 = 16 y: the AVX-512 nf4_codes' bins.
+struct NF4Tables {
+  __m256 base[4], mid16[4];
+  NF4Tables() {
+    for (int q = 0; q < 4; ++q) {
+      base[q] = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kBins.base + 8 * q)));
+      mid16[q] = _mm256_loadu_ps(kBins.mid16 + 8 * q);
+    }
+  }
+};
+inline __m256i nf4_codes(const NF4Tables& t, __m256 y16) {
+  y16 = clamp(y16, _mm256_set1_ps(-16.0f), _mm256_set1_ps(16.0f));
+  __m256i j = _mm256_cvtps_epi32(_mm256_floor_ps(y16));
+  j = _mm256_min_epi32(_mm256_add_epi32(j, _mm256_set1_epi32(16)), _mm256_set1_epi32(31));
+  const __m256i base = _mm256_castps_si256(lookup32(t.base, j));
+  const __m256 up = _mm256_cmp_ps(lookup32(t.mid16, j), y16, _CMP_LT_OQ);
+  return _mm256_sub_epi32(base, _mm256_castps_si256(up));  // + 1 where mid < y
+}
+
+// fp8 codes of 8 values y = x / scale (the AVX-512 fp8_codes).
+template <bool E4M3>
+inline __m256i fp8_codes(__m256 y) {
+  const __m256 a = _mm256_min_ps(_mm256_set1_ps(E4M3 ? 448.0f : 57344.0f),
+                                 _mm256_and_ps(y, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))));
+  __m256i r = fp8_rne8<E4M3>(a);
+  r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7f)),
+                                           _mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
+  return _mm256_or_si256(r, _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(y), 24), _mm256_set1_epi32(0x80)));
+}
+
+// Values of 8 fp8 codes (one per 32-bit lane): the AVX-512 fp8_decode16.
+template <bool E4M3>
+inline __m256 fp8_decode8(__m256i c) {
+  const __m256i m7f = _mm256_set1_epi32(0x7f);
+  const __m256i u = _mm256_and_si256(c, m7f);
+  __m256i r = _mm256_castps_si256(fp8_value8<E4M3>(u));
+  if constexpr (E4M3) {
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), _mm256_cmpeq_epi32(u, m7f));
+  } else {
+    const __m256i nan = _mm256_and_si256(_mm256_cmpgt_epi32(u, _mm256_set1_epi32(0x7c)), _mm256_set1_epi32(1 << 22));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_set1_epi32(0x7f800000), nan),
+                           _mm256_cmpgt_epi32(u, _mm256_set1_epi32(0x7b)));
+  }
+  return _mm256_castsi256_ps(_mm256_or_si256(r, _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24)));
+}
+
+// Store the codes of a full block (len a multiple of 16): code8(i) gives the codes of values i..i+7.
+template <typename F>
+inline void store_bytes(int64_t len, uint8_t* out, F code8) {
+  int64_t i = 0;
+  for (; i + 32 <= len; i += 32)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), bytes32(code8(i), code8(i + 8), code8(i + 16), code8(i + 24)));
+  if (i < len) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), bytes16(code8(i), code8(i + 8)));
+}
+// The same for 4-bit codes (0..15 in the low byte of each lane), two per byte, the first high.
+template <typename F>
+inline void store_nibbles(int64_t len, uint8_t* out, F code8) {
+  int64_t i = 0;
+  for (; i + 32 <= len; i += 32) {
+    const __m256i w = bytes32(code8(i), code8(i + 8), code8(i + 16), code8(i + 24));  // 16-bit lane: c0 | c1 << 8
+    const __m256i t = _mm256_and_si256(_mm256_or_si256(_mm256_slli_epi16(w, 4), _mm256_srli_epi16(w, 8)),
+                                       _mm256_set1_epi16(0xff));
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi16(t, t), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i / 2), _mm256_castsi256_si128(p));
+  }
+  if (i < len) {
+    const __m128i w = bytes16(code8(i), code8(i + 8));
+    const __m128i t = _mm_and_si128(_mm_or_si128(_mm_slli_epi16(w, 4), _mm_srli_epi16(w, 8)), _mm_set1_epi16(0xff));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2), _mm_packus_epi16(t, t));
+  }
+}
+
+// Encode one full block (len a multiple of 16): encode_block()'s codes.
+template <typename T>
+void encode_full_block(const T* x, int64_t len, Fmt f, float mult, uint8_t* codes) {
+  const __m256 inv = _mm256_set1_ps(mult);
+  switch (f) {
+    case Fmt::I8: {
+      const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+      store_bytes(len, codes, [&](int64_t i) { return _mm256_cvtps_epi32(clamp(_mm256_mul_ps(load8(x + i), inv), lo, hi)); });
+      break;
+    }
+    case Fmt::I4: {
+      const __m256 lo = _mm256_set1_ps(-7.0f), hi = _mm256_set1_ps(7.0f);
+      const __m256i eight = _mm256_set1_epi32(8);
+      store_nibbles(len, codes, [&](int64_t i) {
+        return _mm256_add_epi32(_mm256_cvtps_epi32(clamp(_mm256_mul_ps(load8(x + i), inv), lo, hi)), eight);
+      });
+      break;
+    }
+    case Fmt::NF4: {
+      const NF4Tables t;
+      if (mult <= 0x1p120f) {  // x * (16 / s) == 16 * (x / s)
+        const __m256 inv16 = _mm256_set1_ps(16.0f * mult);
+        store_nibbles(len, codes, [&](int64_t i) { return nf4_codes(t, _mm256_mul_ps(load8(x + i), inv16)); });
+      } else {
+        const __m256 sixteen = _mm256_set1_ps(16.0f);
+        store_nibbles(len, codes, [&](int64_t i) {
+          return nf4_codes(t, _mm256_mul_ps(_mm256_mul_ps(load8(x + i), inv), sixteen));
+        });
+      }
+      break;
+    }
+    case Fmt::E4M3:
+      store_bytes(len, codes, [&](int64_t i) { return fp8_codes<true>(_mm256_mul_ps(load8(x + i), inv)); });
+      break;
+    case Fmt::E5M2:
+      store_bytes(len, codes, [&](int64_t i) { return fp8_codes<false>(_mm256_mul_ps(load8(x + i), inv)); });
+      break;
+  }
+}
+
+// Decode one block of len (a multiple of 16) values: decode_block()'s values.
+template <typename Out>
+void decode_full_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o) {
+  const __m256 vs = _mm256_set1_ps(s);
+  switch (f) {
+    case Fmt::I8:
+      for (int64_t i = 0; i < len; i += 16) {
+        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
+        store16(o + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), vs),
+                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))), vs));
+      }
+      break;
+    case Fmt::I4:
+    case Fmt::NF4: {
+      alignas(32) float lut[16];
+      for (int k = 0; k < 16; ++k) lut[k] = f == Fmt::NF4 ? kNF4[k] * s : float(k - 8) * s;
+      const __m256 t[2] = {_mm256_load_ps(lut), _mm256_load_ps(lut + 8)};
+      auto nibbles8 = [](const uint8_t* p) {  // 4 bytes -> their 8 codes in order, one per 32-bit lane
+        int32_t w;
+        std::memcpy(&w, p, 4);
+        const __m256i c = _mm256_cvtepu8_epi64(_mm_cvtsi32_si128(w));
+        return _mm256_or_si256(_mm256_srli_epi64(c, 4), _mm256_slli_epi64(_mm256_and_si256(c, _mm256_set1_epi64x(15)), 32));
+      };
+      for (int64_t i = 0; i < len; i += 16)
+        store16(o + i, lookup16(t, nibbles8(codes + i / 2)), lookup16(t, nibbles8(codes + i / 2 + 4)));
+      break;
+    }
+    case Fmt::E4M3:
+    case Fmt::E5M2:
+      for (int64_t i = 0; i < len; i += 16) {
+        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
+        const __m256i c0 = _mm256_cvtepu8_epi32(c), c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(c, 8));
+        if (f == Fmt::E4M3)
+          store16(o + i, _mm256_mul_ps(fp8_decode8<true>(c0), vs), _mm256_mul_ps(fp8_decode8<true>(c1), vs));
+        else
+          store16(o + i, _mm256_mul_ps(fp8_decode8<false>(c0), vs), _mm256_mul_ps(fp8_decode8<false>(c1), vs));
+      }
+      break;
+  }
+}
+
+}  // namespace avx
+#endif  // PPQ_ISA_AVX2
 
 // ---- checks -----------------------------------------------------------------------------------
 int64_t nblocks(int64_t n, int64_t B) { return std::max<int64_t>(1, (n + B - 1) / B); }
@@ -546,11 +736,11 @@ void quantize_impl(const at::Tensor& x, Fmt f, int64_t B, uint8_t* codes, const 
   uint16_t* sh = bf16_scale ? reinterpret_cast<uint16_t*>(scales.data_ptr()) : nullptr;
   const int64_t tail_len = n - (nb - 1) * B;
   auto block_len = [&](int64_t b) { return b == nb - 1 ? tail_len : B; };
-  // Full blocks go straight from the input through the AVX-512 loops; the partial last block (and
-  // every block without AVX-512) is widened to fp32 into `buf` and takes the scalar loops.
+  // Full blocks go straight from the input through the AVX-512 / AVX2 loops; the partial last block
+  // (and every block in the scalar module) is widened to fp32 into `buf` and takes the scalar loops.
   auto block_absmax = [&](int64_t b, float* buf) {
     const int64_t len = block_len(b);
-#if PPQ_ISA_AVX512
+#if PPQ_ISA_AVX512 || PPQ_ISA_AVX2
     if (len % 16 == 0) return avx::absmax_bits(xp + b * B, len);
 #endif
     return absmax_bits(load_block<BF16>(xp, b * B, len, buf), len);
@@ -558,7 +748,7 @@ void quantize_impl(const at::Tensor& x, Fmt f, int64_t B, uint8_t* codes, const 
   auto block_encode = [&](int64_t b, float s, float mult, float* buf) {
     const int64_t len = block_len(b);
     uint8_t* c = codes + (packed4(f) ? b * B / 2 : b * B);
-#if PPQ_ISA_AVX512
+#if PPQ_ISA_AVX512 || PPQ_ISA_AVX2
     if (len == B) return avx::encode_full_block(xp + b * B, len, f, mult, c);
 #endif
     encode_block(load_block<BF16>(xp, b * B, len, buf), len, f, s, len != B, c);
@@ -659,7 +849,7 @@ void dequantize_impl(const uint8_t* codes, const S* sp, bool per_tensor, Fmt f, 
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t len = b == nb - 1 ? tail_len : B;
     const uint8_t* c = codes + (packed4(f) ? b * B / 2 : b * B);
-#if PPQ_ISA_AVX512
+#if PPQ_ISA_AVX512 || PPQ_ISA_AVX2
     if (len % 16 == 0) {
       avx::decode_full_block<Out>(c, len, f, scale(b), o + b * B);
       continue;

@@ -1,0 +1,118 @@
+// AVX2 (x86-64-v3) pieces shared by the CPU kernels (weights.cpp, weights_sr.cpp, codecs.cpp): the
+// 8-lane counterparts of avx512.h, the same math bit for bit (see avx512.h's design note).
+//
+// Design note.
+// * bf16 loads widen in-register (zero extension and a shift); absmax is an integer max over |x|'s
+//   bits (bf16: on its 16 bits, 16 at a time), so NaN/Inf show up as bits >= 0x7f800000.
+// * fp8 rounding by the FPU with a power-of-two magic (avx512.h's fp8_rne16), 8 lanes.
+// * Narrowing 32-bit lanes to bytes truncates (keeps the low byte), like AVX-512's vpmovdb: mask to
+//   0..255, then two unsigned-saturating packs (exact on 0..255) and one cross-lane permute. A NaN
+//   converted by cvtps_epi32 (0x80000000) thus gives the byte AVX-512 and the scalar casts give.
+// Header-only and inline; only compiled into the avx2 module (isa.h).
+#pragma once
+
+#include "isa.h"
+
+#if PPQ_ISA_AVX2
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace ppq::avx2 {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> fp32
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline uint32_t hmax_epu32(__m256i m) {
+  __m128i x = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0x4e));
+  x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0xb1));
+  return uint32_t(_mm_cvtsi128_si32(x));
+}
+
+// Bits of max |x| over len values (a positive multiple of 16); >= 0x7f800000 when some are NaN/Inf.
+inline uint32_t absmax_bits(const float* p, int64_t len) {
+  const __m256i mask = _mm256_set1_epi32(0x7fffffff);
+  __m256i m0 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), mask);
+  __m256i m1 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8)), mask);
+  for (int64_t i = 16; i < len; i += 16) {
+    m0 = _mm256_max_epu32(m0, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)), mask));
+    m1 = _mm256_max_epu32(m1, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 8)), mask));
+  }
+  return hmax_epu32(_mm256_max_epu32(m0, m1));
+}
+inline uint32_t absmax_bits(const uint16_t* p, int64_t len) {
+  const __m256i mask = _mm256_set1_epi16(0x7fff);
+  __m256i m = _mm256_setzero_si256();
+  for (int64_t i = 0; i < len; i += 16)
+    m = _mm256_max_epu16(m, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)), mask));
+  const __m256i w = _mm256_max_epu32(_mm256_and_si256(m, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(m, 16));
+  return hmax_epu32(w) << 16;
+}
+
+// Round-to-nearest-even fp8 codes of 8 magnitudes a in [0, Q] (avx512.h's fp8_rne16).
+template <bool E4M3>
+inline __m256i fp8_rne8(__m256 a) {
+  constexpr int M = E4M3 ? 3 : 2;
+  constexpr int magic_min = ((E4M3 ? -6 : -14) + 127 + 23 - M) << 23;
+  const __m256i expo = _mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7f800000));
+  const __m256i magic = _mm256_max_epi32(_mm256_add_epi32(expo, _mm256_set1_epi32((23 - M) << 23)),
+                                         _mm256_set1_epi32(magic_min));
+  const __m256i t = _mm256_castps_si256(_mm256_add_ps(a, _mm256_castsi256_ps(magic)));
+  const __m256i hi = _mm256_srli_epi32(_mm256_sub_epi32(magic, _mm256_set1_epi32(magic_min)), 23 - M);
+  return _mm256_add_epi32(_mm256_sub_epi32(t, magic), hi);
+}
+
+// Values of 8 non-negative finite fp8 codes (avx512.h's fp8_value16).
+template <bool E4M3>
+inline __m256 fp8_value8(__m256i c) {
+  constexpr int M = E4M3 ? 3 : 2;
+  const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(c, 23 - M), _mm256_set1_epi32((E4M3 ? 120 : 112) << 23));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(E4M3 ? 0x1p-9f : 0x1p-16f));
+  const __m256i is_normal = _mm256_cmpgt_epi32(c, _mm256_set1_epi32((1 << M) - 1));
+  return _mm256_blendv_ps(sub, _mm256_castsi256_ps(normal), _mm256_castsi256_ps(is_normal));
+}
+
+// Low bytes of the 32 lanes of a, b, c, d (8 each), in order: 32 bytes.
+inline __m256i bytes32(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i ff = _mm256_set1_epi32(0xff);
+  const __m256i ab = _mm256_packus_epi32(_mm256_and_si256(a, ff), _mm256_and_si256(b, ff));
+  const __m256i cd = _mm256_packus_epi32(_mm256_and_si256(c, ff), _mm256_and_si256(d, ff));
+  // lane-wise packs: [a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7] as dwords -> restore the order
+  return _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+// Low bytes of the 16 lanes of a, b, in order: 16 bytes.
+inline __m128i bytes16(__m256i a, __m256i b) {
+  const __m256i ff = _mm256_set1_epi32(0xff);
+  const __m256i ab = _mm256_packus_epi32(_mm256_and_si256(a, ff), _mm256_and_si256(b, ff));  // a0-3 b0-3 | a4-7 b4-7
+  const __m256i p = _mm256_packus_epi16(ab, ab);  // dwords: [a0-3, b0-3, a0-3, b0-3 | a4-7, b4-7, ...]
+  return _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0)));
+}
+// Low 16 bits of the 16 lanes of a, b, in order.
+inline __m256i words16(__m256i a, __m256i b) {
+  const __m256i m = _mm256_set1_epi32(0xffff);
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_and_si256(a, m), _mm256_and_si256(b, m)), 0xd8);
+}
+
+// 8 fp32 -> bf16 bits (round to nearest even; NaN -> 0x7fc0) in the low half of each 32-bit lane.
+inline __m256i bf16_bits8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc0)),
+                                              _mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+inline void store16(float* o, __m256 a, __m256 b) {
+  _mm256_storeu_ps(o, a);
+  _mm256_storeu_ps(o + 8, b);
+}
+inline void store16(uint16_t* o, __m256 a, __m256 b) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), words16(bf16_bits8(a), bf16_bits8(b)));
+}
+
+}  // namespace ppq::avx2
+
+#endif  // PPQ_ISA_AVX2
