@@ -1,212 +1,151 @@
 """Codec kernels (ppq:: ops, C++ CPU) against their plain-PyTorch references and a copy, in one run.
 
-    .venv/bin/python benchmarks/p2p/bench_codecs.py [--shape 4 1024 4096] [--reps 5]
+    .venv/bin/python benchmarks/p2p/bench_codecs.py [--shape 4 1024 4096] [--reps 11]
 
 Each kernel is first checked against its reference (bit-exact codes/indices, bounded decode error),
-then timed into reused buffers (median of ``--reps``). Columns:
+then timed into reused buffers, alternating with a copy of the activation (benchmarks/_harness.py).
+Columns:
   ms          median time of one call
-  GB/s        bytes of the full-precision tensor / time
-  x copy      time of ``dst.copy_(x)`` for the same activation / kernel time (1.0 = as fast as a copy)
+  x copy      the kernel's bytes read + written per second / the copy's (``dst.copy_(x)``: reads and
+              writes the fp32 activation) bytes read + written per second, medians of the same run
+  x copy min  the same from the fastest run of each
   x ref       reference time / kernel time (reference = the op's plain-PyTorch default)
 TopK is also compared with ``torch.topk``-based selection per sample (abs, topk, gather).
-Results: benchmarks/results/bench_codecs.{json,md}.
+Results: benchmarks/results/bench_codecs.{json,md}, with the machine and the C++ kernel path (ISA).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
-import platform
-import statistics
-import time
+import sys
 
 import torch
 
-from deepspeed_ppq.compress import ops
-from deepspeed_ppq.ops import has_kernel, registered_ops
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _harness import machine, time_against, time_once, write_results, x_copy  # noqa: E402
+
+from deepspeed_ppq.compress import ops  # noqa: E402
+from deepspeed_ppq.ops import has_kernel, registered_ops  # noqa: E402
 
 REF = registered_ops()
-HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "..", "results")
 
 
-def _time(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _quant_rows(x2, bits, reps, ref_reps):
+def _check_quant(x2, bits, bufs, out):
     R, D = x2.shape
-    rows = []
-    G = R
-    bufs = (
-        torch.empty(G),
-        torch.empty(G),
-        torch.empty(ops.packed_nbytes(x2.numel(), bits), dtype=torch.uint8),
-        torch.empty(1, dtype=torch.uint8),
-    )
     rbufs = tuple(torch.empty_like(b) for b in bufs)
     ops.quant_encode(x2, D, bits, *bufs)
     REF["quant_encode"](x2, D, bits, *rbufs)
     assert all(torch.equal(a, b) for a, b in zip(bufs, rbufs)), f"quant_encode {bits}b != reference"
-    out, rout = torch.empty_like(x2), torch.empty_like(x2)
+    rout = torch.empty_like(out)
     ops.quant_decode(bufs[2], bufs[0], bufs[1], D, bits, out)
     REF["quant_decode"](bufs[2], bufs[0], bufs[1], D, bits, rout)
     torch.testing.assert_close(out, rout, rtol=2e-7, atol=1e-30)
-    t = _time(lambda: ops.quant_encode(x2, D, bits, *bufs), reps)
-    tr = _time(lambda: REF["quant_encode"](x2, D, bits, *rbufs), ref_reps)
-    rows.append((f"quant_encode {bits}b per token", t, tr))
-    if bits in (8, 4):
-        t = _time(lambda: ops.quant_decode(bufs[2], bufs[0], bufs[1], D, bits, out), reps)
-        tr = _time(lambda: REF["quant_decode"](bufs[2], bufs[0], bufs[1], D, bits, rout), ref_reps)
-        rows.append((f"quant_decode {bits}b per token (into out)", t, tr))
-    return rows
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", type=int, nargs=3, default=[4, 1024, 4096])
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--ref-reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=11)
+    ap.add_argument("--ref-reps", type=int, default=1)
     ap.add_argument("--topk-ratio", type=float, default=0.1)
-    args = ap.parse_args()
+    ap.add_argument("--no-save", action="store_true")
+    args = ap.parse_args(argv)
     if not has_kernel("quant_encode"):
         raise SystemExit("the C++ extension is not built: run `make build` first")
-    torch.set_num_threads(os.cpu_count() or 1)
+    m = machine()
     B, T, D = args.shape
-    x = torch.randn(B, T, D)
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(0))
     x2 = x.view(B * T, D)
-    nbytes = x.numel() * 4
+    R, n = B * T, x.numel()
     dst = torch.empty_like(x)
-    t_copy = _time(lambda: dst.copy_(x), args.reps)
-    rows = [("copy (dst.copy_(x))", t_copy, None)]
+    copy, copy_bytes = (lambda: dst.copy_(x)), 8 * n
+    rows = []
+
+    def add(name, fn, op_bytes, ref=None):
+        t = time_against(fn, copy, args.reps)
+        tr = time_once(ref, args.ref_reps, warmup=0) if ref is not None else None
+        rows.append({
+            "kernel": name, "ms": t.op * 1e3, "copy_ms": t.base * 1e3,
+            "x_copy": x_copy(op_bytes, t.op, copy_bytes, t.base),
+            "x_copy_min": x_copy(op_bytes, t.op_min, copy_bytes, t.base_min),
+            "x_ref": tr / t.op if tr else None, "op_bytes": op_bytes,
+        })
 
     # ---- min-max quantization per token
     for bits in (8, 6, 4, 2):
-        rows += _quant_rows(x2, bits, args.reps, args.ref_reps)
+        nb = ops.packed_nbytes(n, bits)
+        bufs = (torch.empty(R), torch.empty(R), torch.empty(nb, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8))
+        rbufs = tuple(torch.empty_like(b) for b in bufs)
+        out, rout = torch.empty_like(x2), torch.empty_like(x2)
+        _check_quant(x2, bits, bufs, out)
+        add(f"quant_encode {bits}b per token", lambda: ops.quant_encode(x2, D, bits, *bufs), 4 * n + nb + 8 * R,
+            lambda: REF["quant_encode"](x2, D, bits, *rbufs))
+        add(f"quant_decode {bits}b per token (into out)", lambda: ops.quant_decode(bufs[2], bufs[0], bufs[1], D, bits, out),
+            nb + 8 * R + 4 * n, lambda: REF["quant_decode"](bufs[2], bufs[0], bufs[1], D, bits, rout))
 
-    # ---- FP8 e4m3 per token
-    sc, codes, st = (
-        torch.empty(B * T),
-        torch.empty(x.numel(), dtype=torch.uint8),
-        torch.empty(1, dtype=torch.uint8),
-    )
-    rsc, rcodes = torch.empty_like(sc), torch.empty_like(codes)
-    ops.fp8_encode(x2, D, 0, sc, codes, st)
-    REF["fp8_encode"](x2, D, 0, rsc, rcodes, st)
-    assert torch.equal(sc, rsc) and torch.equal(codes, rcodes), "fp8_encode != reference"
-    out = torch.empty_like(x2)
-    rows.append(
-        (
-            "fp8_encode e4m3 per token",
-            _time(lambda: ops.fp8_encode(x2, D, 0, sc, codes, st), args.reps),
-            _time(lambda: REF["fp8_encode"](x2, D, 0, rsc, rcodes, st), args.ref_reps),
-        )
-    )
-    rows.append(
-        (
-            "fp8_decode e4m3 (into out)",
-            _time(lambda: ops.fp8_decode(codes, sc, D, 0, out), args.reps),
-            _time(lambda: REF["fp8_decode"](codes, sc, D, 0, out), args.ref_reps),
-        )
-    )
+    # ---- FP8 per token
+    for fmt, fname in ((0, "e4m3"), (1, "e5m2")):
+        sc, codes, st = torch.empty(R), torch.empty(n, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8)
+        rsc, rcodes = torch.empty_like(sc), torch.empty_like(codes)
+        ops.fp8_encode(x2, D, fmt, sc, codes, st)
+        REF["fp8_encode"](x2, D, fmt, rsc, rcodes, st)
+        assert torch.equal(sc, rsc) and torch.equal(codes, rcodes), f"fp8_encode {fname} != reference"
+        out, rout = torch.empty_like(x2), torch.empty_like(x2)
+        ops.fp8_decode(codes, sc, D, fmt, out)
+        REF["fp8_decode"](codes, sc, D, fmt, rout)
+        assert torch.equal(out, rout), f"fp8_decode {fname} != reference"
+        add(f"fp8_encode {fname} per token", lambda: ops.fp8_encode(x2, D, fmt, sc, codes, st), 5 * n + 4 * R,
+            lambda: REF["fp8_encode"](x2, D, fmt, rsc, rcodes, st))
+        add(f"fp8_decode {fname} (into out)", lambda: ops.fp8_decode(codes, sc, D, fmt, out), 5 * n + 4 * R,
+            lambda: REF["fp8_decode"](codes, sc, D, fmt, rout))
 
     # ---- TopK per sample
     L = T * D
     k = max(1, math.floor(args.topk_ratio * L))
     xs = x.view(B, L)
+    st = torch.empty(1, dtype=torch.uint8)
     v, idx = torch.empty(B, k), torch.empty(B, k, dtype=torch.int64)
-    ops.topk_encode(xs, k, v, idx, st)
     rv, ridx = torch.empty_like(v), torch.empty_like(idx)
-    t_ref_topk = _time(lambda: REF["topk_encode"](xs, k, rv, ridx, st), 1)
+    ops.topk_encode(xs, k, v, idx, st)
+    REF["topk_encode"](xs, k, rv, ridx, st)
     assert torch.equal(idx, ridx) and torch.equal(v, rv), "topk_encode != reference (stable-sort order)"
 
     def torch_topk():
         i = xs.abs().topk(k, dim=1, sorted=False).indices
         return xs.gather(1, i)
 
-    t_tt = _time(torch_topk, max(1, args.ref_reps))
-    t = _time(lambda: ops.topk_encode(xs, k, v, idx, st), args.reps)
-    rows.append((f"topk_encode {args.topk_ratio:.0%} per sample", t, t_ref_topk))
-    rows.append((f"  torch.topk-based selection {args.topk_ratio:.0%}", t_tt, None))
+    sel_bytes = 4 * n + B * k * 12
+    add(f"topk_encode {args.topk_ratio:.0%} per sample", lambda: ops.topk_encode(xs, k, v, idx, st), sel_bytes,
+        lambda: REF["topk_encode"](xs, k, rv, ridx, st))
+    add(f"  torch.topk-based selection {args.topk_ratio:.0%}", torch_topk, sel_bytes)
     outs = dst.view(B, L)
-    t = _time(lambda: ops.topk_decode(v, idx, outs), args.reps)
-    tr = _time(lambda: REF["topk_decode"](v, idx, outs), args.ref_reps)
-    rows.append(("topk_decode (zero + scatter, into out)", t, tr))
+    add("topk_decode (zero + scatter, into out)", lambda: ops.topk_decode(v, idx, outs), 4 * n + B * k * 12,
+        lambda: REF["topk_decode"](v, idx, outs))
+    # the index stream packed to ceil(log2 L) bits (TopK with index packing)
+    bits = max(1, math.ceil(math.log2(L)))
+    flat = idx.view(-1)
+    packed = torch.empty(ops.packed_nbytes(flat.numel(), bits), dtype=torch.uint8)
+    unpacked = torch.empty_like(flat)
+    pb = 8 * flat.numel() + packed.numel()
+    add(f"pack_bits {bits}b (TopK indices)", lambda: ops.pack_bits(flat, bits, packed), pb)
+    add(f"unpack_bits {bits}b", lambda: ops.unpack_bits(packed, bits, unpacked), pb)
+    assert torch.equal(unpacked, flat), "unpack_bits(pack_bits(idx)) != idx"
 
-    # ---- report
-    table = []
-    for name, t, tr in rows:
-        table.append(
-            {
-                "kernel": name,
-                "ms": t * 1e3,
-                "GB/s": nbytes / t / 1e9,
-                "x_copy": t_copy / t,
-                "x_ref": (tr / t) if tr else None,
-            }
-        )
-    topk_vs_torch = (
-        t_tt / rows[[r[0] for r in rows].index(f"topk_encode {args.topk_ratio:.0%} per sample")][1]
-    )
-    meta = {
-        "shape": [B, T, D],
-        "dtype": "float32",
-        "bytes": nbytes,
-        "reps": args.reps,
-        "torch": torch.__version__,
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "topk_vs_torch_topk": topk_vs_torch,
-    }
-    lines = [
-        f"# bench_codecs: {B}x{T}x{D} fp32 ({nbytes / 2**20:.0f} MiB), {meta['cpu']}, {meta['cores']} cores, "
-        f"torch {meta['torch']}, {meta['date']}",
-        "",
+    notes = [
+        f"Activation {B}x{T}x{D} fp32 ({4 * n / 2**20:.0f} MiB); per-token groups of {D}; TopK k = "
+        f"{args.topk_ratio:.0%} of {L} per sample. Median of {args.reps} runs alternating with the copy.",
         "Command: `.venv/bin/python benchmarks/p2p/bench_codecs.py "
-        + " ".join(["--shape", str(B), str(T), str(D), "--reps", str(args.reps)])
-        + "`",
-        "",
-        "| kernel | ms (median) | GB/s of fp32 | x copy | x reference |",
-        "|---|---|---|---|---|",
+        + " ".join(argv if argv is not None else sys.argv[1:]) + "`",
+        "x copy = (kernel bytes read + written) / kernel time over (copy bytes read + written) / copy "
+        "time, both medians of the same run; targets (issue 13): encode/decode >= 0.5, TopK select >= 0.3.",
     ]
-    for r in table:
-        xr = f"{r['x_ref']:.1f}" if r["x_ref"] else "-"
-        lines.append(f"| {r['kernel']} | {r['ms']:.2f} | {r['GB/s']:.2f} | {r['x_copy']:.2f} | {xr} |")
-    lines += [
-        "",
-        f"TopK select vs torch.topk-based selection: {topk_vs_torch:.1f}x",
-        "x copy = time of dst.copy_(x) for the same fp32 tensor / kernel time. The CPU is shared "
-        "with other jobs; expect run-to-run spread of about +-30%.",
-    ]
-    md = "\n".join(lines)
+    md = write_results("bench_codecs", rows, meta={"shape": [B, T, D], "reps": args.reps, "k": k},
+                       title="bench_codecs: stage-boundary codec kernels", notes=notes,
+                       columns=["kernel", "ms", "copy_ms", "x_copy", "x_copy_min", "x_ref"], machine_=m,
+                       save=not args.no_save)
     print(md)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "bench_codecs.json"), "w") as f:
-        json.dump({"meta": meta, "rows": table}, f, indent=2)
-    with open(os.path.join(RESULTS, "bench_codecs.md"), "w") as f:
-        f.write(md + "\n")
 
 
 if __name__ == "__main__":

@@ -76,6 +76,34 @@ inline __m256 fp8_value8(__m256i c) {
   return _mm256_blendv_ps(sub, _mm256_castsi256_ps(normal), _mm256_castsi256_ps(is_normal));
 }
 
+// fp8 codes of 8 values y (scaled): the codes of fp8.h's f32_to_e4m3 / f32_to_e5m2 of y clamped to
+// [-Q, Q] (NaN: 0x7f with its sign), one per 32-bit lane (weights.cpp's AVX-512 fp8_codes, 8 lanes).
+template <bool E4M3>
+inline __m256i fp8_codes(__m256 y) {
+  const __m256 a = _mm256_min_ps(_mm256_set1_ps(E4M3 ? 448.0f : 57344.0f),
+                                 _mm256_and_ps(y, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))));
+  __m256i r = fp8_rne8<E4M3>(a);
+  r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7f)),
+                                           _mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
+  return _mm256_or_si256(r, _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(y), 24), _mm256_set1_epi32(0x80)));
+}
+
+// Values of 8 fp8 codes (one per 32-bit lane): fp8.h's e4m3_to_f32 / e5m2_to_f32.
+template <bool E4M3>
+inline __m256 fp8_decode8(__m256i c) {
+  const __m256i m7f = _mm256_set1_epi32(0x7f);
+  const __m256i u = _mm256_and_si256(c, m7f);
+  __m256i r = _mm256_castps_si256(fp8_value8<E4M3>(u));
+  if constexpr (E4M3) {
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), _mm256_cmpeq_epi32(u, m7f));
+  } else {
+    const __m256i nan = _mm256_and_si256(_mm256_cmpgt_epi32(u, _mm256_set1_epi32(0x7c)), _mm256_set1_epi32(1 << 22));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_set1_epi32(0x7f800000), nan),
+                           _mm256_cmpgt_epi32(u, _mm256_set1_epi32(0x7b)));
+  }
+  return _mm256_castsi256_ps(_mm256_or_si256(r, _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24)));
+}
+
 // Low bytes of the 32 lanes of a, b, c, d (8 each), in order: 32 bytes.
 inline __m256i bytes32(__m256i a, __m256i b, __m256i c, __m256i d) {
   const __m256i ff = _mm256_set1_epi32(0xff);

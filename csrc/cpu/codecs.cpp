@@ -25,14 +25,20 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 
+#include "avx2.h"
 #include "fp8.h"
 
 #include <algorithm>
+#include <array>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+#if PPQ_ISA_AVX2
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -136,6 +142,116 @@ void unpack(const uint8_t* src, int64_t n, int64_t bits, uint8_t* c) {
   }
 }
 
+#if PPQ_ISA_AVX2
+// ---- AVX2 pieces (the avx2 module; the scalar loops stay for tails and other dtypes) ------------
+// Each is the scalar loop beside it on 8 lanes, bit for bit: max_ps(t, 0) / min_ps(t, lv) select like
+// `t > 0 ? t : 0` / `t < lv ? t : lv` (NaN -> 0), min_ps(v, mn) like `v < mn ? v : mn`, fmadd is
+// std::fma, and bytes leave through avx2.h's truncating narrowing.
+namespace v2 {
+
+inline float hmin(__m256 v) {
+  __m128 x = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_min_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_min_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+inline float hmax(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+
+// min, max (NaN skipped) and whether there was a NaN, over x[0, n8) with n8 a multiple of 8 (> 0).
+inline void minmax8(const float* x, int64_t n8, float& mn, float& mx, bool& nan) {
+  __m256 vmn = _mm256_set1_ps(INFINITY), vmx = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n8; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    vmn = _mm256_min_ps(v, vmn);
+    vmx = _mm256_max_ps(v, vmx);
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  mn = hmin(vmn);
+  mx = hmax(vmx);
+  nan = _mm256_movemask_ps(vnan) != 0;
+}
+
+// Codes of x[0, n32) (n32 a multiple of 32) into b: round((x * p - mnp) * inv) clamped to [0, lv].
+inline void minmax_codes(const float* x, int64_t n32, float p, float mnp, float inv, float lv, uint8_t* b) {
+  const __m256 vp = _mm256_set1_ps(p), vmnp = _mm256_set1_ps(mnp), vinv = _mm256_set1_ps(inv);
+  const __m256 vlv = _mm256_set1_ps(lv), zero = _mm256_setzero_ps(), magic = _mm256_set1_ps(12582912.0f);
+  auto code8 = [&](int64_t i) {
+    __m256 t = _mm256_mul_ps(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vp), vmnp), vinv);
+    t = _mm256_min_ps(_mm256_max_ps(t, zero), vlv);
+    return _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_add_ps(t, magic), magic));
+  };
+  for (int64_t i = 0; i < n32; i += 32)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(b + i), ppq::avx2::bytes32(code8(i), code8(i + 8), code8(i + 16), code8(i + 24)));
+}
+
+// 8 fp32 -> the output dtype (float, or bf16 rounded to nearest even).
+inline void store8(float* o, __m256 v) { _mm256_storeu_ps(o, v); }
+inline void store8(c10::BFloat16* o, __m256 v) {
+  const __m256i r = ppq::avx2::bf16_bits8(v);
+  const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(o), w);
+}
+template <typename T>
+constexpr bool kVecOut = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+// o[j] = fma(b[j], sc, mn) for j < n8 (a multiple of 8).
+template <typename T>
+inline void minmax_values(const uint8_t* b, int64_t n8, float sc, float mn, T* o) {
+  const __m256 vsc = _mm256_set1_ps(sc), vmn = _mm256_set1_ps(mn);
+  for (int64_t j = 0; j < n8; j += 8) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + j)));
+    store8(o + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), vsc, vmn));
+  }
+}
+
+// Unpack the first n32 (a multiple of 32) codes of a 4- or 2-bit stream starting at a whole byte.
+inline void unpack32(const uint8_t* src, int64_t n32, int64_t bits, uint8_t* c) {
+  if (bits == 4) {
+    const __m128i m = _mm_set1_epi8(15);
+    for (int64_t i = 0; i < n32; i += 32) {  // 16 bytes -> 32 codes, the low nibble first
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i / 2));
+      const __m128i lo = _mm_and_si128(x, m), hi = _mm_and_si128(_mm_srli_epi16(x, 4), m);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i), _mm_unpacklo_epi8(lo, hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i + 16), _mm_unpackhi_epi8(lo, hi));
+    }
+  } else {  // 2 bits: 8 bytes -> 32 codes
+    const __m128i m = _mm_set1_epi8(3);
+    for (int64_t i = 0; i < n32; i += 32) {
+      const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i / 4));
+      const __m128i a = _mm_and_si128(x, m), b = _mm_and_si128(_mm_srli_epi16(x, 2), m);
+      const __m128i cc = _mm_and_si128(_mm_srli_epi16(x, 4), m), d = _mm_and_si128(_mm_srli_epi16(x, 6), m);
+      const __m128i ab = _mm_unpacklo_epi8(a, b), cd = _mm_unpacklo_epi8(cc, d);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i), _mm_unpacklo_epi16(ab, cd));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i + 16), _mm_unpackhi_epi16(ab, cd));
+    }
+  }
+}
+
+// Pack n32 (a multiple of 32) codes into a 4- or 2-bit stream (the scalar pack()'s bytes).
+inline void pack32(const uint8_t* c, int64_t n32, int64_t bits, uint8_t* dst) {
+  for (int64_t i = 0; i < n32; i += 32) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i));
+    if (bits == 4) {  // 16-bit lane c0 | c1 << 8 -> byte c0 | c1 << 4
+      const __m256i t = _mm256_and_si256(_mm256_or_si256(w, _mm256_srli_epi16(w, 4)), _mm256_set1_epi16(0xff));
+      const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi16(t, t), 0x08);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i / 2), _mm256_castsi256_si128(p));
+    } else {  // 32-bit lane c0 | c1 << 8 | c2 << 16 | c3 << 24 -> byte c0 | c1 << 2 | c2 << 4 | c3 << 6
+      const __m256i t16 = _mm256_maddubs_epi16(w, _mm256_set1_epi16(0x0401));      // c0 + 4 c1, c2 + 4 c3
+      const __m256i t32 = _mm256_madd_epi16(t16, _mm256_set1_epi32(0x00100001));   // + 16 (c2 + 4 c3)
+      const __m128i b = ppq::avx2::bytes16(t32, _mm256_setzero_si256());
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i / 4), b);
+    }
+  }
+}
+
+}  // namespace v2
+#endif  // PPQ_ISA_AVX2
+
 struct GroupStats {
   float mn, scale, inv, p, mnp;  // p: prescale (0.5 when the range overflows a float), mnp = mn * p
   bool bad;
@@ -145,7 +261,16 @@ template <typename T>
 GroupStats minmax_stats(const T* x, int64_t n, int64_t levels) {
   float mn = INFINITY, mx = -INFINITY;
   bool nan = false;
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i0 = 0;
+#if PPQ_ISA_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    if (n >= 8) {
+      i0 = n & ~int64_t(7);
+      v2::minmax8(x, i0, mn, mx, nan);
+    }
+  }
+#endif
+  for (int64_t i = i0; i < n; ++i) {
     float v = float(x[i]);
     mn = v < mn ? v : mn;
     mx = v > mx ? v : mx;
@@ -179,7 +304,14 @@ void encode_span(const T* x, int64_t i0, int64_t i1, int64_t d, int64_t group, i
       const float mnp = stats[g].mnp, inv = stats[g].inv, p = stats[g].p;
       uint8_t* b = buf + (i - s0);
       const T* xp = x + i;
-      for (int64_t j = 0; j < end - i; ++j) {
+      int64_t j0 = 0;
+#if PPQ_ISA_AVX2
+      if constexpr (std::is_same_v<T, float>) {
+        j0 = (end - i) & ~int64_t(31);
+        v2::minmax_codes(xp, j0, p, mnp, inv, lv, b);
+      }
+#endif
+      for (int64_t j = j0; j < end - i; ++j) {
         float t = (float(xp[j]) * p - mnp) * inv;
         t = t > 0.0f ? t : 0.0f;  // NaN -> 0
         t = t < lv ? t : lv;
@@ -187,6 +319,14 @@ void encode_span(const T* x, int64_t i0, int64_t i1, int64_t d, int64_t group, i
       }
       i = end;
     }
+#if PPQ_ISA_AVX2
+    if (bits == 4 || bits == 2) {
+      const int64_t n32 = (s1 - s0) & ~int64_t(31);
+      v2::pack32(buf, n32, bits, codes + s0 * bits / 8);
+      pack(buf + n32, s1 - s0 - n32, bits, codes + (s0 + n32) * bits / 8);
+      continue;
+    }
+#endif
     pack(buf, s1 - s0, bits, codes + s0 * bits / 8);
   }
 }
@@ -265,7 +405,17 @@ void quant_decode(const at::Tensor& codes, const at::Tensor& mins, const at::Ten
     for (int64_t ch = 0; ch < chunks; ++ch) {
       alignas(64) uint8_t buf[kSeg];
       int64_t s0 = ch * kSeg, s1 = std::min(n, s0 + kSeg);
+#if PPQ_ISA_AVX2
+      if (bits == 4 || bits == 2) {
+        const int64_t n32 = (s1 - s0) & ~int64_t(31);
+        v2::unpack32(cp + s0 * bits / 8, n32, bits, buf);
+        unpack(cp + (s0 + n32) * bits / 8, s1 - s0 - n32, bits, buf + n32);
+      } else {
+        unpack(cp + s0 * bits / 8, s1 - s0, bits, buf);
+      }
+#else
       unpack(cp + s0 * bits / 8, s1 - s0, bits, buf);
+#endif
       int64_t i = s0;
       while (i < s1) {
         int64_t r = i / d, c = i % d;
@@ -274,7 +424,14 @@ void quant_decode(const at::Tensor& codes, const at::Tensor& mins, const at::Ten
         const float mn = mp[g], sc = sp[g];
         const uint8_t* b = buf + (i - s0);
         scalar_t* o = op + i;
-        for (int64_t j = 0; j < end - i; ++j) o[j] = scalar_t(std::fma(float(b[j]), sc, mn));
+        int64_t j0 = 0;
+#if PPQ_ISA_AVX2
+        if constexpr (v2::kVecOut<scalar_t>) {
+          j0 = (end - i) & ~int64_t(7);
+          v2::minmax_values(b, j0, sc, mn, o);
+        }
+#endif
+        for (int64_t j = j0; j < end - i; ++j) o[j] = scalar_t(std::fma(float(b[j]), sc, mn));
         i = end;
       }
     }
@@ -322,7 +479,16 @@ void fp8_encode(const at::Tensor& x, int64_t group, int64_t fmt, at::Tensor scal
       // amax as the integer max of |x|'s bits: finite non-negative floats order like their bits, and
       // NaN/Inf give bits >= 0x7f800000 (a NaN amax, as torch's amax, then gives scale 1 below).
       uint32_t m = 0;
-      for (int64_t i = 0; i < n; ++i) m = std::max(m, fbits(float(p[i])) & 0x7fffffffu);
+      int64_t i0 = 0;
+#if PPQ_ISA_AVX2
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (n >= 16) {
+          i0 = n & ~int64_t(15);
+          m = ppq::avx2::absmax_bits(p, i0);
+        }
+      }
+#endif
+      for (int64_t i = i0; i < n; ++i) m = std::max(m, fbits(float(p[i])) & 0x7fffffffu);
       const float amax = fp8::from_bits(m);
       bad |= m >= 0x7f800000u;
       double a = amax;
@@ -331,10 +497,23 @@ void fp8_encode(const at::Tensor& x, int64_t group, int64_t fmt, at::Tensor scal
       // Locals only in the loops: a byte store may alias anything, so a value read through the lambda's
       // captures would be reloaded after every store and the loop would stay scalar.
       const float q = fmax;
+      int64_t e0 = 0;
+#if PPQ_ISA_AVX2
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        e0 = n & ~int64_t(31);
+        const __m256 vinv = _mm256_set1_ps(inv);
+        auto enc = [&](auto e4m3) {
+          auto code8 = [&](int64_t i) { return ppq::avx2::fp8_codes<decltype(e4m3)::value>(_mm256_mul_ps(_mm256_loadu_ps(p + i), vinv)); };
+          for (int64_t i = 0; i < e0; i += 32)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), ppq::avx2::bytes32(code8(i), code8(i + 8), code8(i + 16), code8(i + 24)));
+        };
+        if (fmt == 0) enc(std::true_type{}); else enc(std::false_type{});
+      }
+#endif
       if (fmt == 0) {
-        for (int64_t i = 0; i < n; ++i) o[i] = fp8::f32_to_e4m3(clamp_fp8(float(p[i]) * inv, q));
+        for (int64_t i = e0; i < n; ++i) o[i] = fp8::f32_to_e4m3(clamp_fp8(float(p[i]) * inv, q));
       } else {
-        for (int64_t i = 0; i < n; ++i) o[i] = fp8::f32_to_e5m2(clamp_fp8(float(p[i]) * inv, q));
+        for (int64_t i = e0; i < n; ++i) o[i] = fp8::f32_to_e5m2(clamp_fp8(float(p[i]) * inv, q));
       }
     }
   });
@@ -364,7 +543,19 @@ void fp8_decode(const at::Tensor& codes, const at::Tensor& scales, int64_t group
       const uint8_t* c = cp + r * d + c0;
       scalar_t* o = op + r * d + c0;
       const float s = sp[g];
-      for (int64_t i = 0; i < n; ++i) o[i] = scalar_t(lut[c[i]] * s);
+      int64_t i0 = 0;
+#if PPQ_ISA_AVX2
+      if constexpr (v2::kVecOut<scalar_t>) {
+        i0 = n & ~int64_t(7);
+        const __m256 vs = _mm256_set1_ps(s);
+        for (int64_t i = 0; i < i0; i += 8) {
+          const __m256i ci = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i)));
+          const __m256 v = fmt == 0 ? ppq::avx2::fp8_decode8<true>(ci) : ppq::avx2::fp8_decode8<false>(ci);
+          v2::store8(o + i, _mm256_mul_ps(v, vs));
+        }
+      }
+#endif
+      for (int64_t i = i0; i < n; ++i) o[i] = scalar_t(lut[c[i]] * s);
     }
   });
 }
@@ -376,6 +567,12 @@ inline uint32_t abs_key(float v) {
   uint32_t u;
   std::memcpy(&u, &v, 4);
   return u & 0x7fffffffu;
+}
+
+// Per-thread scratch for the candidate indices (32-bit: rows are < 2^31 values).
+inline std::vector<int32_t>& topk_scratch() {
+  thread_local std::vector<int32_t> v;
+  return v;
 }
 
 template <typename T>
@@ -399,7 +596,40 @@ bool topk_row(const T* x, int64_t L, int64_t k, int64_t* idx, std::vector<uint32
   // Pass 2: every index whose bin is >= tb, in ascending order.
   cand.clear();
   const uint32_t lo = uint32_t(tb) << 15;
-  for (int64_t i = 0; i < L; ++i)
+  int64_t i2 = 0;
+#if PPQ_ISA_AVX2
+  if constexpr (std::is_same_v<T, float>) if (L < (int64_t(1) << 31) - 16) {
+    // 8 keys at a time: compare, then left-pack the passing lanes' indices with one permute (a table of
+    // the 256 masks' permutations) and advance by their count: no branch per element (the scalar loop
+    // mispredicts on ~10% random hits).
+    static const auto kPack = [] {
+      std::array<uint32_t, 256 * 8> t{};
+      for (int mk = 0; mk < 256; ++mk) {
+        int j = 0;
+        for (int b = 0; b < 8; ++b)
+          if (mk >> b & 1) t[mk * 8 + j++] = uint32_t(b);
+      }
+      return t;
+    }();
+    std::vector<int32_t>& c32 = topk_scratch();
+    c32.resize(size_t(L) + 8);
+    int64_t nc = 0;
+    const __m256i vlo = _mm256_set1_epi32(int32_t(lo) - 1), mask = _mm256_set1_epi32(0x7fffffff);
+    __m256i vi = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i eight = _mm256_set1_epi32(8);
+    for (; i2 + 8 <= L; i2 += 8) {
+      const __m256i key = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i2)), mask);
+      const int mk = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(key, vlo)));  // key >= lo (keys < 2^31)
+      const __m256i perm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kPack.data() + mk * 8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c32.data() + nc), _mm256_permutevar8x32_epi32(vi, perm));
+      nc += __builtin_popcount(unsigned(mk));
+      vi = _mm256_add_epi32(vi, eight);
+    }
+    cand.resize(size_t(nc));
+    for (int64_t j = 0; j < nc; ++j) cand[j] = c32[j];
+  }
+#endif
+  for (int64_t i = i2; i < L; ++i)
     if (abs_key(float(x[i])) >= lo) cand.push_back(i);
   // The exact K-th largest key, among the threshold bin's members.
   std::vector<uint32_t> keys;

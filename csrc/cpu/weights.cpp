@@ -516,8 +516,8 @@ namespace avx {
 using ppq::avx2::absmax_bits;
 using ppq::avx2::bytes16;
 using ppq::avx2::bytes32;
-using ppq::avx2::fp8_rne8;
-using ppq::avx2::fp8_value8;
+using ppq::avx2::fp8_codes;
+using ppq::avx2::fp8_decode8;
 using ppq::avx2::load8;
 using ppq::avx2::store16;
 
@@ -553,33 +553,6 @@ inline __m256i nf4_codes(const NF4Tables& t, __m256 y16) {
   const __m256i base = _mm256_castps_si256(lookup32(t.base, j));
   const __m256 up = _mm256_cmp_ps(lookup32(t.mid16, j), y16, _CMP_LT_OQ);
   return _mm256_sub_epi32(base, _mm256_castps_si256(up));  // + 1 where mid < y
-}
-
-// fp8 codes of 8 values y = x / scale (the AVX-512 fp8_codes).
-template <bool E4M3>
-inline __m256i fp8_codes(__m256 y) {
-  const __m256 a = _mm256_min_ps(_mm256_set1_ps(E4M3 ? 448.0f : 57344.0f),
-                                 _mm256_and_ps(y, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))));
-  __m256i r = fp8_rne8<E4M3>(a);
-  r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7f)),
-                                           _mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
-  return _mm256_or_si256(r, _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(y), 24), _mm256_set1_epi32(0x80)));
-}
-
-// Values of 8 fp8 codes (one per 32-bit lane): the AVX-512 fp8_decode16.
-template <bool E4M3>
-inline __m256 fp8_decode8(__m256i c) {
-  const __m256i m7f = _mm256_set1_epi32(0x7f);
-  const __m256i u = _mm256_and_si256(c, m7f);
-  __m256i r = _mm256_castps_si256(fp8_value8<E4M3>(u));
-  if constexpr (E4M3) {
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), _mm256_cmpeq_epi32(u, m7f));
-  } else {
-    const __m256i nan = _mm256_and_si256(_mm256_cmpgt_epi32(u, _mm256_set1_epi32(0x7c)), _mm256_set1_epi32(1 << 22));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_set1_epi32(0x7f800000), nan),
-                           _mm256_cmpgt_epi32(u, _mm256_set1_epi32(0x7b)));
-  }
-  return _mm256_castsi256_ps(_mm256_or_si256(r, _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24)));
 }
 
 // Store the codes of a full block (len a multiple of 16): code8(i) gives the codes of values i..i+7.
