@@ -43,8 +43,23 @@ import torch
 __all__ = ["Timing", "machine", "loadavg", "time_against", "time_once", "x_copy", "write_results", "md_table"]
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-_SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512dq", "avx512vl",
-               "avx512_vbmi", "avx512_bf16", "amx_tile", "asimd", "sve")
+_SIMD_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "bmi2",
+    "avx512f",
+    "avx512bw",
+    "avx512dq",
+    "avx512vl",
+    "avx512_vbmi",
+    "avx512_bf16",
+    "amx_tile",
+    "asimd",
+    "sve",
+)
 
 
 @dataclasses.dataclass
@@ -159,16 +174,24 @@ def md_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_results(name: str, rows: Sequence[dict], meta: dict | None = None, title: str = "",
-                  notes: Sequence[str] = (), columns: Sequence[str] | None = None,
-                  machine_: dict | None = None, save: bool = True) -> str:
+def write_results(
+    name: str,
+    rows: Sequence[dict],
+    meta: dict | None = None,
+    title: str = "",
+    notes: Sequence[str] = (),
+    columns: Sequence[str] | None = None,
+    machine_: dict | None = None,
+    save: bool = True,
+) -> str:
     """Write benchmarks/results/<name>.json and .md (unless ``save`` is False); return the markdown."""
     m = dict(machine_ or machine())
     m["loadavg_end"] = loadavg()
     md = [f"# {title or name}", ""]
     md.append(
         f"{m['cpu']} ({m['cores']} cores, {m['threads']} threads; flags: {m['cpu_flags'] or 'n/a'}), "
-        f"**C++ kernel path: {m['cpu_isa']}** (this CPU runs: {m['supported_cpu_isas']}), torch {m['torch']}, "
+        f"**C++ kernel path: {m['cpu_isa']}** (this CPU runs: {m['supported_cpu_isas']}), "
+        f"torch {m['torch']}, "
         f"{m['date']}, load average {m['loadavg']} at the start, {m['loadavg_end']} at the end."
     )
     md.append("")

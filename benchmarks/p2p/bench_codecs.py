@@ -66,27 +66,48 @@ def main(argv=None) -> None:
     def add(name, fn, op_bytes, ref=None):
         t = time_against(fn, copy, args.reps)
         tr = time_once(ref, args.ref_reps, warmup=0) if ref is not None else None
-        rows.append({
-            "kernel": name, "ms": t.op * 1e3, "copy_ms": t.base * 1e3,
-            "x_copy": x_copy(op_bytes, t.op, copy_bytes, t.base),
-            "x_copy_min": x_copy(op_bytes, t.op_min, copy_bytes, t.base_min),
-            "x_ref": tr / t.op if tr else None, "op_bytes": op_bytes,
-        })
+        rows.append(
+            {
+                "kernel": name,
+                "ms": t.op * 1e3,
+                "copy_ms": t.base * 1e3,
+                "x_copy": x_copy(op_bytes, t.op, copy_bytes, t.base),
+                "x_copy_min": x_copy(op_bytes, t.op_min, copy_bytes, t.base_min),
+                "x_ref": tr / t.op if tr else None,
+                "op_bytes": op_bytes,
+            }
+        )
 
     # ---- min-max quantization per token
-    for bits in (8, 6, 4, 2):
+    def quant(bits):
         nb = ops.packed_nbytes(n, bits)
-        bufs = (torch.empty(R), torch.empty(R), torch.empty(nb, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8))
+        bufs = (
+            torch.empty(R),
+            torch.empty(R),
+            torch.empty(nb, dtype=torch.uint8),
+            torch.empty(1, dtype=torch.uint8),
+        )
         rbufs = tuple(torch.empty_like(b) for b in bufs)
         out, rout = torch.empty_like(x2), torch.empty_like(x2)
         _check_quant(x2, bits, bufs, out)
-        add(f"quant_encode {bits}b per token", lambda: ops.quant_encode(x2, D, bits, *bufs), 4 * n + nb + 8 * R,
-            lambda: REF["quant_encode"](x2, D, bits, *rbufs))
-        add(f"quant_decode {bits}b per token (into out)", lambda: ops.quant_decode(bufs[2], bufs[0], bufs[1], D, bits, out),
-            nb + 8 * R + 4 * n, lambda: REF["quant_decode"](bufs[2], bufs[0], bufs[1], D, bits, rout))
+        add(
+            f"quant_encode {bits}b per token",
+            lambda: ops.quant_encode(x2, D, bits, *bufs),
+            4 * n + nb + 8 * R,
+            lambda: REF["quant_encode"](x2, D, bits, *rbufs),
+        )
+        add(
+            f"quant_decode {bits}b per token (into out)",
+            lambda: ops.quant_decode(bufs[2], bufs[0], bufs[1], D, bits, out),
+            nb + 8 * R + 4 * n,
+            lambda: REF["quant_decode"](bufs[2], bufs[0], bufs[1], D, bits, rout),
+        )
+
+    for bits in (8, 6, 4, 2):
+        quant(bits)
 
     # ---- FP8 per token
-    for fmt, fname in ((0, "e4m3"), (1, "e5m2")):
+    def fp8(fmt, fname):
         sc, codes, st = torch.empty(R), torch.empty(n, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8)
         rsc, rcodes = torch.empty_like(sc), torch.empty_like(codes)
         ops.fp8_encode(x2, D, fmt, sc, codes, st)
@@ -96,10 +117,21 @@ def main(argv=None) -> None:
         ops.fp8_decode(codes, sc, D, fmt, out)
         REF["fp8_decode"](codes, sc, D, fmt, rout)
         assert torch.equal(out, rout), f"fp8_decode {fname} != reference"
-        add(f"fp8_encode {fname} per token", lambda: ops.fp8_encode(x2, D, fmt, sc, codes, st), 5 * n + 4 * R,
-            lambda: REF["fp8_encode"](x2, D, fmt, rsc, rcodes, st))
-        add(f"fp8_decode {fname} (into out)", lambda: ops.fp8_decode(codes, sc, D, fmt, out), 5 * n + 4 * R,
-            lambda: REF["fp8_decode"](codes, sc, D, fmt, rout))
+        add(
+            f"fp8_encode {fname} per token",
+            lambda: ops.fp8_encode(x2, D, fmt, sc, codes, st),
+            5 * n + 4 * R,
+            lambda: REF["fp8_encode"](x2, D, fmt, rsc, rcodes, st),
+        )
+        add(
+            f"fp8_decode {fname} (into out)",
+            lambda: ops.fp8_decode(codes, sc, D, fmt, out),
+            5 * n + 4 * R,
+            lambda: REF["fp8_decode"](codes, sc, D, fmt, rout),
+        )
+
+    fp8(0, "e4m3")
+    fp8(1, "e5m2")
 
     # ---- TopK per sample
     L = T * D
@@ -117,12 +149,20 @@ def main(argv=None) -> None:
         return xs.gather(1, i)
 
     sel_bytes = 4 * n + B * k * 12
-    add(f"topk_encode {args.topk_ratio:.0%} per sample", lambda: ops.topk_encode(xs, k, v, idx, st), sel_bytes,
-        lambda: REF["topk_encode"](xs, k, rv, ridx, st))
+    add(
+        f"topk_encode {args.topk_ratio:.0%} per sample",
+        lambda: ops.topk_encode(xs, k, v, idx, st),
+        sel_bytes,
+        lambda: REF["topk_encode"](xs, k, rv, ridx, st),
+    )
     add(f"  torch.topk-based selection {args.topk_ratio:.0%}", torch_topk, sel_bytes)
     outs = dst.view(B, L)
-    add("topk_decode (zero + scatter, into out)", lambda: ops.topk_decode(v, idx, outs), 4 * n + B * k * 12,
-        lambda: REF["topk_decode"](v, idx, outs))
+    add(
+        "topk_decode (zero + scatter, into out)",
+        lambda: ops.topk_decode(v, idx, outs),
+        4 * n + B * k * 12,
+        lambda: REF["topk_decode"](v, idx, outs),
+    )
     # the index stream packed to ceil(log2 L) bits (TopK with index packing)
     bits = max(1, math.ceil(math.log2(L)))
     flat = idx.view(-1)
@@ -137,14 +177,21 @@ def main(argv=None) -> None:
         f"Activation {B}x{T}x{D} fp32 ({4 * n / 2**20:.0f} MiB); per-token groups of {D}; TopK k = "
         f"{args.topk_ratio:.0%} of {L} per sample. Median of {args.reps} runs alternating with the copy.",
         "Command: `.venv/bin/python benchmarks/p2p/bench_codecs.py "
-        + " ".join(argv if argv is not None else sys.argv[1:]) + "`",
+        + " ".join(argv if argv is not None else sys.argv[1:])
+        + "`",
         "x copy = (kernel bytes read + written) / kernel time over (copy bytes read + written) / copy "
         "time, both medians of the same run; targets (issue 13): encode/decode >= 0.5, TopK select >= 0.3.",
     ]
-    md = write_results("bench_codecs", rows, meta={"shape": [B, T, D], "reps": args.reps, "k": k},
-                       title="bench_codecs: stage-boundary codec kernels", notes=notes,
-                       columns=["kernel", "ms", "copy_ms", "x_copy", "x_copy_min", "x_ref"], machine_=m,
-                       save=not args.no_save)
+    md = write_results(
+        "bench_codecs",
+        rows,
+        meta={"shape": [B, T, D], "reps": args.reps, "k": k},
+        title="bench_codecs: stage-boundary codec kernels",
+        notes=notes,
+        columns=["kernel", "ms", "copy_ms", "x_copy", "x_copy_min", "x_ref"],
+        machine_=m,
+        save=not args.no_save,
+    )
     print(md)
 
 
