@@ -41,6 +41,7 @@
 #include <limits>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #if PPQ_ISA_AVX512 || PPQ_ISA_AVX2
 #include <immintrin.h>
 // GCC 12's false positive on the intrinsics' _mm512_undefined_*() placeholders (see weights.cpp).
@@ -225,6 +226,57 @@ void encode_int8(const float* __restrict xf, const float* __restrict u, int8_t* 
   }
 }
 
+#if PPQ_ISA_AVX2
+// The AVX2 path of one block, fused: the random numbers are made in-register next to the codes (no
+// buffer pass), input read straight from fp32 or bf16. Handles the first multiple of 16 values of
+// [i0, i1) and returns how many; encode_t() does the rest. Same bits as block_uniforms() + the loops.
+inline __m256i hash8(__m256i x) {  // hash32 on 8 lanes
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(int32_t(0x7feb352du)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(int32_t(0x846ca68bu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+template <SrFmt F, bool BF16>
+int64_t encode_fused_avx2(const void* x, int64_t i0, int64_t i1, float inv, uint64_t offset, uint32_t key,
+                          uint8_t* codes) {
+  using T = std::conditional_t<BF16, uint16_t, float>;
+  const int64_t n16 = (i1 - i0) & ~int64_t(15);
+  const uint64_t base = offset + static_cast<uint64_t>(i0);
+  const __m256i vblo = _mm256_set1_epi32(int32_t(uint32_t(base))), vbhi = _mm256_set1_epi32(int32_t(uint32_t(base >> 32)));
+  const __m256i vkey = _mm256_set1_epi32(int32_t(key)), bias = _mm256_set1_epi32(int32_t(0x80000000u));
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  auto uniforms8 = [&](int64_t j) {
+    const __m256i lo = _mm256_add_epi32(vblo, _mm256_add_epi32(_mm256_set1_epi32(int32_t(j)), lane));
+    const __m256i carry = _mm256_cmpgt_epi32(_mm256_xor_si256(vblo, bias), _mm256_xor_si256(lo, bias));  // lo < blo
+    const __m256i r = hash8(_mm256_xor_si256(hash8(_mm256_xor_si256(lo, vkey)), _mm256_sub_epi32(vbhi, carry)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 8)), _mm256_set1_ps(5.9604644775390625e-08f));
+  };
+  const T* xp = static_cast<const T*>(x) + i0;
+  const float qmax = sr_qmax(F);
+  const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-qmax), hi = _mm256_set1_ps(qmax);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  auto code8 = [&](int64_t i) {
+    const __m256 y = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(ppq::avx2::load8(xp + i), vinv), lo), hi);
+    const __m256 a = _mm256_and_ps(y, abs_mask);
+    const __m256 u = uniforms8(i);
+    if constexpr (F == SrFmt::I8) {  // encode_int8's lanes
+      const __m256i l = _mm256_cvttps_epi32(a);
+      const __m256 frac = _mm256_sub_ps(a, _mm256_cvtepi32_ps(l));
+      const __m256i k = _mm256_sub_epi32(l, _mm256_castps_si256(_mm256_cmp_ps(u, frac, _CMP_LT_OQ)));
+      const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_LT_OQ));
+      return _mm256_sub_epi32(_mm256_xor_si256(k, neg), neg);
+    } else {
+      return sr_fp8_8<F == SrFmt::E4M3>(y, a, u);
+    }
+  };
+  for (int64_t j = 0; j < n16; j += 16)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i0 + j), ppq::avx2::bytes16(code8(j), code8(j + 8)));
+  return n16;
+}
+#endif
+
 // One block: random numbers first (a pure integer loop), then the codes. bf16 input is widened into a
 // stack buffer first, so the int8 encode loop is the same for both input dtypes.
 template <SrFmt F, bool BF16>
@@ -235,6 +287,12 @@ void encode_t(const void* x, int64_t i0, int64_t i1, float inv, bool finite, uin
     std::memset(codes + i0, 0, static_cast<size_t>(len));
     return;
   }
+#if PPQ_ISA_AVX2
+  if (const int64_t done = encode_fused_avx2<F, BF16>(x, i0, i1, inv, offset, key, codes); done > 0) {
+    if (done < len) encode_t<F, BF16>(x, i0 + done, i1, inv, finite, offset, key, codes);  // the < 16 left
+    return;
+  }
+#endif
   alignas(64) float u[4096];
   alignas(64) float wide[4096];
   block_uniforms(i0, i1, offset, key, u);
