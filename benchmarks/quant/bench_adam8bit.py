@@ -6,38 +6,26 @@ backend and torch's fp32 Adam, in one run.
 First the check: one step of ours and of bitsandbytes' ``optimizer_update_8bit_blockwise`` from the same
 states must give the same parameters (to 1e-5 of a step) and codes one step of the map apart at most.
 Then each optimizer's ``step()`` on one weight of ``--numel`` values is timed, alternating with torch's
-foreach fp32 Adam (the baseline of the "x Adam" column: the median of per-pair ratios, so both see the
-same load): torch Adam (foreach and fused), bitsandbytes ``AdamW8bit``, ours (``AdamW8bit`` subclass).
-State bytes per parameter are counted from the optimizer's state. One thread by default: a pipeline
-stage here runs on one core.
-Results: benchmarks/results/bench_adam8bit.{json,md}.
+fused fp32 Adam (``Adam(fused=True)``, the baseline: "x fused Adam" = step time / its time, medians of
+the same run, lower is faster; benchmarks/_harness.py): torch Adam (foreach and fused), bitsandbytes
+``AdamW8bit``, ours (``AdamW8bit`` subclass). State bytes per parameter are counted from the
+optimizer's state. One thread by default (a pipeline stage often has one core); ``--threads N``
+writes bench_adam8bit_<N>t.
+Results: benchmarks/results/bench_adam8bit.{json,md}, with the machine and the C++ kernel path (ISA).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import statistics
-import time
+import sys
 
 import torch
 
-from deepspeed_ppq.quant.adam8bit import adam8bit_step, optimizer_class
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _harness import machine, time_against, write_results  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results")
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+from deepspeed_ppq.quant.adam8bit import adam8bit_step, optimizer_class  # noqa: E402
 
 
 def check() -> None:
@@ -55,10 +43,12 @@ def check() -> None:
 
     grad = torch.randn(n, generator=g) * 1e-3
     a, b = state(), state()
-    adam8bit_step(a[0], grad, *a[1:], q1, q2, beta1=0.9, beta2=0.999, eps=1e-8, step=3, lr=1e-3,
-                  weight_decay=0.01)
-    F.optimizer_update_8bit_blockwise("adam", grad, b[0], b[1], b[2], 0.9, 0.999, 0.0, 0.0, 1e-8, 3, 1e-3,
-                                      q1, q2, b[3], b[4], 0.01, 1.0)
+    adam8bit_step(
+        a[0], grad, *a[1:], q1, q2, beta1=0.9, beta2=0.999, eps=1e-8, step=3, lr=1e-3, weight_decay=0.01
+    )
+    F.optimizer_update_8bit_blockwise(
+        "adam", grad, b[0], b[1], b[2], 0.9, 0.999, 0.0, 0.0, 1e-8, 3, 1e-3, q1, q2, b[3], b[4], 0.01, 1.0
+    )
     torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-8)
     for k, q in ((1, q1), (2, q2)):
         step = (q[a[k].long()] - q[b[k].long()]).abs()
@@ -98,7 +88,8 @@ def main() -> None:
         opt.step()
         return opt
 
-    base = make(lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True))
+    m = machine()
+    base = make(lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True))
     cases = [
         ("torch Adam, fp32 states, foreach", lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True)),
         ("torch Adam, fp32 states, fused", lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True)),
@@ -108,38 +99,36 @@ def main() -> None:
     rows = []
     for name, build in cases:
         opt = make(build)
-        tf, ratios = [], []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            base.step()
-            t1 = time.perf_counter()
-            opt.step()
-            t2 = time.perf_counter()
-            tf.append(t2 - t1)
-            ratios.append((t2 - t1) / (t1 - t0))
-        t = statistics.median(tf)
-        rows.append({"optimizer": name, "ms": 1e3 * t, "ns_per_param": 1e9 * t / n,
-                     "x_adam_foreach": statistics.median(ratios), "state_bytes_per_param": _state_bytes(opt)})
-    load = os.getloadavg()
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    head = (f"torch {torch.__version__}, bitsandbytes {bnb.__version__}, {_cpu()}, {os.cpu_count()} cores, "
-            f"{args.threads} thread(s), {now}, "
-            f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}. One weight of {n} values, median of "
-            f"{args.reps}; checked against bitsandbytes' kernel first.")
-    md = ["# bench_adam8bit: one optimizer step on CPU", "", head, "",
-          "x Adam = time / torch foreach Adam's time (median of alternating pairs); lower is faster.", "",
-          "| optimizer | ms | ns/param | x Adam (foreach) | state B/param |", "|---|---|---|---|---|"]
-    for r in rows:
-        md.append(f"| {r['optimizer']} | {r['ms']:.2f} | {r['ns_per_param']:.2f} | "
-                  f"{r['x_adam_foreach']:.2f} | {r['state_bytes_per_param']:.2f} |")
-    md += ["", "Run: `.venv/bin/python benchmarks/quant/bench_adam8bit.py`", ""]
-    print("\n".join(md))
-    if not args.no_save:
-        os.makedirs(RESULTS, exist_ok=True)
-        with open(os.path.join(RESULTS, "bench_adam8bit.json"), "w") as f:
-            json.dump({"header": head, "rows": rows}, f, indent=1)
-        with open(os.path.join(RESULTS, "bench_adam8bit.md"), "w") as f:
-            f.write("\n".join(md))
+        t = time_against(opt.step, base.step, args.reps)
+        rows.append(
+            {
+                "optimizer": name,
+                "ms": 1e3 * t.op,
+                "ns_per_param": 1e9 * t.op / n,
+                "fused_adam_ns_per_param": 1e9 * t.base / n,
+                "x_fused_adam": t.op / t.base,
+                "state_bytes_per_param": _state_bytes(opt),
+            }
+        )
+    name = "bench_adam8bit" if args.threads == 1 else f"bench_adam8bit_{args.threads}t"
+    notes = [
+        f"bitsandbytes {bnb.__version__}; {args.threads} thread(s). One weight of {n} values, median of "
+        f"{args.reps} steps alternating with torch's fused fp32 Adam; checked against bitsandbytes' kernel "
+        "first.",
+        "x fused Adam = step time / fused Adam step time (same run); lower is faster. Target (issue 13): "
+        "ours <= 1.0.",
+        f"Run: `.venv/bin/python benchmarks/quant/bench_adam8bit.py --threads {args.threads}`",
+    ]
+    md = write_results(
+        name,
+        rows,
+        meta={"numel": n, "reps": args.reps, "threads": args.threads},
+        title="bench_adam8bit: one optimizer step on CPU",
+        notes=notes,
+        machine_=m,
+        save=not args.no_save,
+    )
+    print(md)
 
 
 if __name__ == "__main__":

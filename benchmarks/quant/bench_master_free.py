@@ -12,27 +12,28 @@ master path and dense fp32, measured in one run.
 3. Update time of one 4096 x 1024 layer, each against ``torch.optim.Adam`` on the dense fp32 weight
    measured alternately in the same run (ratio of medians): fp32 master (Adam step + round-to-nearest
    re-quantize) vs master-free (dequantize + AdamW + SR re-quantize) with fp32 or 8-bit states; and
-   the SR quantize op alone against the round-to-nearest op and a copy of the same fp32 bytes.
+   the SR quantize ops (int8, fp8 e4m3/e5m2; fp32 and bf16 weights) and the round-to-nearest ones
+   against a copy of the weight (bytes read + written per second). Timing: benchmarks/_harness.py.
 Results: benchmarks/results/bench_master_free.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import statistics
-import time
+import sys
 
 import torch
 from torch import nn
 
-from deepspeed_ppq.config import WeightsConfig
-from deepspeed_ppq.models.gpt import GPT, GPTConfig, gpt_loss, layer_kinds
-from deepspeed_ppq.ops import has_kernel
-from deepspeed_ppq.quant import (
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _harness import loadavg, machine, time_against, x_copy  # noqa: E402
+
+from deepspeed_ppq.config import WeightsConfig  # noqa: E402
+from deepspeed_ppq.models.gpt import GPT, GPTConfig, gpt_loss, layer_kinds  # noqa: E402
+from deepspeed_ppq.ops import has_kernel  # noqa: E402
+from deepspeed_ppq.quant import (  # noqa: E402
     QuantLinear,
     attach_master_free,
     build_optimizer,
@@ -42,9 +43,9 @@ from deepspeed_ppq.quant import (
     measure_storage,
     requantize_after_step,
 )
-from deepspeed_ppq.quant import ops as wops
-from deepspeed_ppq.quant.ledger import ParamSpec
-from deepspeed_ppq.quant.sr_ops import _quantize_sr_out_ref, weight_quantize_sr_out
+from deepspeed_ppq.quant import ops as wops  # noqa: E402
+from deepspeed_ppq.quant.ledger import ParamSpec  # noqa: E402
+from deepspeed_ppq.quant.sr_ops import _quantize_sr_out_ref, weight_quantize_sr_out  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "..", "results")
@@ -61,8 +62,9 @@ SETTINGS = [  # label, format, master, 8-bit states (master-free layers and the 
 
 
 def _wcfg(fmt, master, o8):
-    return WeightsConfig(format=fmt, master=master, optimizer_8bit=o8, keep_first_blocks=0,
-                         keep_last_blocks=0)
+    return WeightsConfig(
+        format=fmt, master=master, optimizer_8bit=o8, keep_first_blocks=0, keep_last_blocks=0
+    )
 
 
 def measured_memory() -> list[dict]:
@@ -103,27 +105,20 @@ def projected_stage() -> list[dict]:
                 ents.append(ParamSpec(f"{b}.{nm}.weight", shp, fmt))
                 ents.append(ParamSpec(f"{b}.{nm}.bias", (shp[0],)))
             ents += [ParamSpec(f"{b}.ln{i}.{p}", (d,)) for i in (1, 2) for p in ("weight", "bias")]
-        led = ledger_from_shapes(ents, _wcfg(fmt, master, o8), optimizer="adamw8bit" if o8 else "adamw",
-                                 compute_dtype=torch.float32)
+        led = ledger_from_shapes(
+            ents,
+            _wcfg(fmt, master, o8),
+            optimizer="adamw8bit" if o8 else "adamw",
+            compute_dtype=torch.float32,
+        )
         rows.append({"setting": label, "bytes": led.total, "groups": led.groups()})
     return rows
 
 
 def _alternate(fn, base, reps):
-    """Run base and fn alternately; medians and the median of per-pair ratios."""
-    fn()
-    base()
-    tf, tb, ratios = [], [], []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        base()
-        t1 = time.perf_counter()
-        fn()
-        t2 = time.perf_counter()
-        tb.append(t1 - t0)
-        tf.append(t2 - t1)
-        ratios.append((t2 - t1) / (t1 - t0))
-    return statistics.median(tf), statistics.median(tb), statistics.median(ratios)
+    """Run base and fn alternately (benchmarks/_harness.py): medians and their ratio fn / base."""
+    t = time_against(fn, base, reps)
+    return t.op, t.base, t.op / t.base
 
 
 def step_times(reps: int) -> list[dict]:
@@ -160,8 +155,15 @@ def step_times(reps: int) -> list[dict]:
         qopt.step()
 
     t, tb, r = _alternate(master_step, dense_step, reps)
-    rows.append({"op": "fp32 master: Adam + requantize_ (RTN)", "ms": 1e3 * t, "base_ms": 1e3 * tb,
-                 "x_base": r, "base": "dense Adam step"})
+    rows.append(
+        {
+            "op": "fp32 master: Adam + requantize_ (RTN)",
+            "ms": 1e3 * t,
+            "base_ms": 1e3 * tb,
+            "x_base": r,
+            "base": "dense Adam step",
+        }
+    )
     for o8 in (False, True):
         mf = layer("none", o8)
         holder = nn.Sequential(mf)
@@ -176,15 +178,40 @@ def step_times(reps: int) -> list[dict]:
         t, tb, r = _alternate(mf_step, dense_step, reps)
         label = f"master-free: dequant + AdamW{'8bit' if o8 else ''} + SR"
         rows.append({"op": label, "ms": 1e3 * t, "base_ms": 1e3 * tb, "x_base": r, "base": "dense Adam step"})
-    buf = torch.empty_like(w)
-    t, tb, r = _alternate(lambda: weight_quantize_sr_out(w, "int8", 64, 5, 123, codes, scales),
-                          lambda: buf.copy_(w), reps)
-    rows.append({"op": "SR quantize int8 (C++)", "ms": 1e3 * t, "base_ms": 1e3 * tb, "x_base": r,
-                 "base": "copy of the fp32 bytes"})
-    t, tb, r = _alternate(lambda: wops.weight_quantize_out(w, "int8", 64, codes, scales),
-                          lambda: buf.copy_(w), reps)
-    rows.append({"op": "RTN quantize int8 (C++)", "ms": 1e3 * t, "base_ms": 1e3 * tb, "x_base": r,
-                 "base": "copy of the fp32 bytes"})
+    rows.append(
+        {
+            "op": "SR quantize, blocks of 64 (C++), against a copy of the fp weight (x copy: bytes/s, "
+            "fp + codes + scales over 2 x fp)",
+            "ms": None,
+            "base_ms": None,
+            "x_base": None,
+            "base": "",
+        }
+    )
+    def sr_rows(wd, fmt):
+        buf = torch.empty_like(wd)
+        c = torch.empty(wd.numel(), dtype=wops.code_dtype(fmt))
+        fp = wd.numel() * wd.element_size()
+        op_bytes = fp + c.numel() + scales.numel() * 4
+        for name, fn in (
+            ("SR", lambda: weight_quantize_sr_out(wd, fmt, 64, 5, 123, c, scales)),
+            ("RTN", lambda: wops.weight_quantize_out(wd, fmt, 64, c, scales)),
+        ):
+            t = time_against(fn, lambda: buf.copy_(wd), reps)
+            rows.append(
+                {
+                    "op": f"{name} quantize {fmt} {str(wd.dtype)[6:]}",
+                    "ms": 1e3 * t.op,
+                    "base_ms": 1e3 * t.base,
+                    "x_base": t.op / t.base,
+                    "base": "copy of the fp weight",
+                    "x_copy": x_copy(op_bytes, t.op, 2 * fp, t.base),
+                }
+            )
+
+    for dt in (torch.float32, torch.bfloat16):
+        for fmt in ("int8", "fp8_e4m3", "fp8_e5m2"):
+            sr_rows(w.to(dt), fmt)
     return rows
 
 
@@ -199,35 +226,58 @@ def main() -> None:
     mem = measured_memory()
     proj = projected_stage()
     times = step_times(args.reps)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor())
-    meta = {"torch": torch.__version__, "cpu": cpu, "cores": os.cpu_count(), "threads": args.threads,
-            "date": datetime.date.today().isoformat(), "load_avg_1m": os.getloadavg()[0]}
-    lines = ["# Master-free low-bit training: memory and update time\n",
-             f"torch {meta['torch']}, {cpu}, {meta['cores']} cores, {args.threads} threads, {meta['date']}, "
-             f"load average {meta['load_avg_1m']:.1f} (a shared machine: timings are noisy, see the ratios).",
-             "Command: `.venv/bin/python benchmarks/quant/bench_master_free.py`\n",
-             "## Measured: small GPT (d=256, 4 blocks, all blocks low-bit), after a backward "
-             "(measured == ledger in every row)\n"]
+    m = machine()
+    meta = {"threads": args.threads, "reps": args.reps}
+    lines = [
+        "# Master-free low-bit training: memory and update time\n",
+        f"{m['cpu']} ({m['cores']} cores, {args.threads} threads; flags: {m['cpu_flags']}), "
+        f"**C++ kernel path: {m['cpu_isa']}**, torch {m['torch']}, {m['date']}, load average {m['loadavg']} "
+        f"at the start, {loadavg()} at the end (timings on a shared machine are noisy: see the ratios).",
+        "Command: `.venv/bin/python benchmarks/quant/bench_master_free.py`\n",
+        "## Measured: small GPT (d=256, 4 blocks, all blocks low-bit), after a backward "
+        "(measured == ledger in every row)\n",
+    ]
     cats = sorted({k for r in mem for k in r["groups"]})
     lines.append("| setting | total MiB | x fp32 | " + " | ".join(cats) + " |")
     lines.append("|" + "---|" * (3 + len(cats)))
     for r in mem:
-        lines.append(f"| {r['setting']} | {r['bytes'] / 2**20:.2f} | {r['bytes'] / mem[0]['bytes']:.3f} | "
-                     + " | ".join(f"{r['groups'].get(c, 0) / 2**20:.2f}" for c in cats) + " |")
-    lines += ["", "## Ledger projection: embedding 50304x2048 + 6 blocks d=2048 (GiB)\n",
-              "| setting | total GiB | x fp32 |", "|---|---|---|"]
+        lines.append(
+            f"| {r['setting']} | {r['bytes'] / 2**20:.2f} | {r['bytes'] / mem[0]['bytes']:.3f} | "
+            + " | ".join(f"{r['groups'].get(c, 0) / 2**20:.2f}" for c in cats)
+            + " |"
+        )
+    lines += [
+        "",
+        "## Ledger projection: embedding 50304x2048 + 6 blocks d=2048 (GiB)\n",
+        "| setting | total GiB | x fp32 |",
+        "|---|---|---|",
+    ]
     base = proj[0]["bytes"]
     lines += [f"| {r['setting']} | {r['bytes'] / GiB:.3f} | {r['bytes'] / base:.3f} |" for r in proj]
-    lines += ["", "## Update time of one 4096x1024 int8 layer (medians; ratio of alternating pairs)\n",
-              "| op | ms | baseline | baseline ms | x baseline |", "|---|---|---|---|---|"]
-    lines += [f"| {r['op']} | {r['ms']:.2f} | {r['base']} | {r['base_ms']:.2f} | {r['x_base']:.2f} |"
-              for r in times]
+    lines += [
+        "",
+        "## Update time of one 4096x1024 int8 layer (medians; ratio of alternating pairs)\n",
+        "x baseline = time / baseline time (lower is faster); x copy = bytes read + written per second over "
+        "the copy's (target for SR quantize, issue 13: >= 0.5).\n",
+        "| op | ms | baseline | baseline ms | x baseline | x copy |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    lines += [
+        f"| {r['op']} | {f(r['ms'], '.2f')} | {r['base']} | {f(r['base_ms'], '.2f')} | "
+        f"{f(r['x_base'], '.2f')} | {f(r.get('x_copy'), '.2f')} |"
+        for r in times
+    ]
     md = "\n".join(lines) + "\n"
     print(md)
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "bench_master_free.json"), "w") as f:
-        json.dump({"meta": meta, "measured": mem, "projected": proj, "times": times}, f, indent=1)
+        json.dump(
+            {"machine": m, "meta": meta, "measured": mem, "projected": proj, "times": times}, f, indent=1
+        )
     with open(os.path.join(RESULTS, "bench_master_free.md"), "w") as f:
         f.write(md)
 
