@@ -15,7 +15,8 @@ Small on purpose; a benchmark uses four things:
   /proc/cpuinfo), ``cores`` (os.cpu_count), ``threads`` (torch's), ``loadavg`` (1/5/15 min),
   ``torch``, ``python``, ``cpu_isa`` (deepspeed_ppq.ops.cpu_isa(): the C++ kernels' path),
   ``supported_cpu_isas``, ``gpu`` and ``date`` (UTC). Call it at the start and ``loadavg()`` again at
-  the end: the CPU may be shared, so results say how busy it was.
+  the end: the CPU may be shared, so results say how busy it was. ``machine_line(m)`` formats it as
+  the one line a results file starts with.
 * ``time_against(op, base, reps)`` runs ``base`` then ``op`` alternately ``reps`` times after one
   warm-up call of each, so both see the same load from other processes; it returns a ``Timing`` with
   the medians (``op``, ``base``) and minima (``op_min``, ``base_min``) in seconds, and ``ratio``
@@ -40,7 +41,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["Timing", "machine", "loadavg", "time_against", "time_once", "x_copy", "write_results", "md_table"]
+__all__ = [
+    "Timing",
+    "machine",
+    "machine_line",
+    "loadavg",
+    "time_against",
+    "time_once",
+    "x_copy",
+    "write_results",
+    "md_table",
+]
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 _SIMD_FLAGS = (
@@ -156,6 +167,16 @@ def x_copy(op_bytes: float, op_s: float, copy_bytes: float, copy_s: float) -> fl
     return (op_bytes / op_s) / (copy_bytes / copy_s)
 
 
+def machine_line(m: dict) -> str:
+    """One markdown line saying where a result comes from (a ``machine()`` record)."""
+    end = f", {m['loadavg_end']} at the end" if "loadavg_end" in m else ""
+    return (
+        f"{m['cpu']} ({m['cores']} cores, {m['threads']} threads; flags: {m['cpu_flags'] or 'n/a'}), "
+        f"**C++ kernel path: {m['cpu_isa']}** (this CPU runs: {m['supported_cpu_isas']}), "
+        f"torch {m['torch']}, {m['date']}, load average {m['loadavg']} at the start{end}."
+    )
+
+
 def _fmt(v) -> str:
     if isinstance(v, float):
         if v != v:
@@ -187,13 +208,7 @@ def write_results(
     """Write benchmarks/results/<name>.json and .md (unless ``save`` is False); return the markdown."""
     m = dict(machine_ or machine())
     m["loadavg_end"] = loadavg()
-    md = [f"# {title or name}", ""]
-    md.append(
-        f"{m['cpu']} ({m['cores']} cores, {m['threads']} threads; flags: {m['cpu_flags'] or 'n/a'}), "
-        f"**C++ kernel path: {m['cpu_isa']}** (this CPU runs: {m['supported_cpu_isas']}), "
-        f"torch {m['torch']}, "
-        f"{m['date']}, load average {m['loadavg']} at the start, {m['loadavg_end']} at the end."
-    )
+    md = [f"# {title or name}", "", machine_line(m)]
     md.append("")
     md += [f"{n}" for n in notes]
     if notes:

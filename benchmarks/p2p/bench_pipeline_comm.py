@@ -17,10 +17,7 @@ the same bytes), each rank's codec seconds and the speedup predicted from bytes 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -29,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 MB, GAS, T, D = 8, 4, 128, 1024  # one activation: 8 x 128 x 1024 fp32 = 4 MiB
 CODECS = {
@@ -183,9 +181,11 @@ def _rows(res: dict) -> list[dict]:
 
 def _report(runs: list[tuple[str, dict, str]], args) -> tuple[dict, str]:
     import torch
+    from _harness import loadavg, machine_line
 
+    m = {**args.machine, "loadavg_end": loadavg()}
     meta = {"activation_shape": [MB, T, D], "micro_batches": GAS, "timed_steps": args.steps,
-            "torch": torch.__version__, "machine": _machine(), "date": datetime.datetime.now().isoformat(),
+            "torch": torch.__version__, "machine": machine_line(m), "machine_record": m, "date": m["date"],
             "load_avg_before": args.load, "rank_env": runs[0][1].get("env")}
     md = ["# bench_pipeline_comm: 2-stage DeepSpeed pipeline step over a bandwidth-limited link", "",
           f"Activation {MB}x{T}x{D} fp32 (4 MiB), {GAS} micro-batches per step, both directions; "
@@ -219,15 +219,6 @@ def _report(runs: list[tuple[str, dict, str]], args) -> tuple[dict, str]:
     return {"meta": meta, "runs": out_runs}, "\n".join(md)
 
 
-def _machine() -> str:
-    model = "?"
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    return f"{model}, {os.cpu_count()} cores, {platform.machine()}"
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--worker", action="store_true")
@@ -242,7 +233,10 @@ def main() -> None:
     if args.inner:
         Path(args.out).write_text(json.dumps(_inner(args)))
         return
-    args.load = os.getloadavg()[0]
+    from _harness import machine
+
+    args.machine = machine()
+    args.load = args.machine["loadavg"]
     runs = []
     for rate in args.rates.split(","):
         res, link = _shaped_run(args, rate)

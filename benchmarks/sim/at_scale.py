@@ -33,6 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _harness import machine  # noqa: E402
 
 from deepspeed_ppq.schedule import LinkModel, StageCost, StageMemory, build_schedule, simulate  # noqa: E402
 from deepspeed_ppq.schedule.costs import (  # noqa: E402
@@ -672,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "at_scale_70b.json").write_text(json.dumps(_rounded(
         {"assumptions": ASSUMPTIONS, "budget_gib": BUDGET / GiB, "seqs_per_step": SEQS_PER_STEP,
-         "hardware": HW.name, "layouts": results, "wall_s": wall}), indent=1))
+         "hardware": HW.name, "layouts": results, "wall_s": wall, "machine": machine()}), indent=1))
     (out / "at_scale_70b.md").write_text(_md(results, wall))
     plot(results, Path(a.png))
     print(f"wrote {out / 'at_scale_70b.md'}, {a.png} ({wall:.0f} s)")

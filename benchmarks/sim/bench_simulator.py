@@ -11,16 +11,16 @@ benchmarks/results/sim_bench.{json,md}.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _harness import loadavg, machine, machine_line  # noqa: E402
 
 from deepspeed_ppq.schedule import (  # noqa: E402
     LinkModel,
@@ -93,21 +93,14 @@ def main() -> int:
         print(f"{x['schedule']:<14}{x['actions']:>8}{x['simulate_ms']:>13.2f}{x['build_ms']:>10.2f}"
               f"{x['bare_loop_ms']:>14.3f}{x['simulate_ms'] / x['bare_loop_ms']:>8.0f}"
               f"{x['step_time_s']:>9.3f}{x['bubble_fraction']:>8.1%}")
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
-    meta = {"python": platform.python_version(), "machine": f"{cpu}, {os.cpu_count()} cores",
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    m = machine()
+    m["loadavg_end"] = loadavg()
+    meta = {"python": platform.python_version(), "machine": m,
             "command": "python benchmarks/sim/bench_simulator.py", "target_ms": 50}
-    try:
-        import torch
-
-        meta["torch"] = torch.__version__
-    except ImportError:
-        pass
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "sim_bench.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    md = ["# Simulator speed", "", f"{meta['date']}, Python {meta['python']}, {meta['machine']}. "
+    md = ["# Simulator speed", "", machine_line(m), "", f"Python {meta['python']}. "
           f"Command: `{meta['command']}`. {LAYERS} layers, {P} stages, {M} micro-batches, links and "
           "memory on.",
           "", "| schedule | actions | simulate ms (median) | build ms | bare loop ms | step s | bubble |",

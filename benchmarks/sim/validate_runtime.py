@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -214,16 +211,6 @@ def simulate_config(cfg: dict, ranks: list[dict]) -> dict:
             "measured_step_times_s": per_step, "simulated_step_times_s": [s for s, _, _, _ in pairs]}
 
 
-def _machine() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    except OSError:
-        pass
-    return f"{platform.processor()}, {os.cpu_count()} cores"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=9, help="measured steps (as many profile steps between)")
@@ -249,8 +236,13 @@ def main() -> int:
         print(f"{cfg['name']:<16} simulated {r['simulated_s'] * 1e3:8.1f} ms  measured "
               f"{r['measured_s'] * 1e3:8.1f} ms  error {r['error']:+.1%}  (from isolated layer profile: "
               f"{r['simulated_from_isolated_layers_s'] * 1e3:.1f} ms)", flush=True)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _harness import loadavg, machine, machine_line
+
+    m = machine()
     meta = {"torch": torch.__version__, "deepspeed": __import__("deepspeed").__version__,
-            "machine": _machine(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine_line({**m, "loadavg_end": loadavg()}), "machine_record": m,
+            "date": m["date"],
             "command": "python benchmarks/sim/validate_runtime.py", "ranks": 2, "threads_per_rank": 1}
     Path(args.out + ".json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
     lines = ["# Simulated vs measured DeepSpeed pipeline step time (2 CPU ranks, gloo)", "",
