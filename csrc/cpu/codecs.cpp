@@ -149,13 +149,13 @@ void unpack(const uint8_t* src, int64_t n, int64_t bits, uint8_t* c) {
 // std::fma, and bytes leave through avx2.h's truncating narrowing.
 namespace v2 {
 
-inline float hmin(__m256 v) {
+PPQ_ALWAYS_INLINE inline float hmin(__m256 v) {
   __m128 x = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_min_ps(x, _mm_movehl_ps(x, x));
   x = _mm_min_ss(x, _mm_shuffle_ps(x, x, 1));
   return _mm_cvtss_f32(x);
 }
-inline float hmax(__m256 v) {
+PPQ_ALWAYS_INLINE inline float hmax(__m256 v) {
   __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_max_ps(x, _mm_movehl_ps(x, x));
   x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
@@ -163,7 +163,7 @@ inline float hmax(__m256 v) {
 }
 
 // min, max (NaN skipped) and whether there was a NaN, over x[0, n8) with n8 a multiple of 8 (> 0).
-inline void minmax8(const float* x, int64_t n8, float& mn, float& mx, bool& nan) {
+PPQ_ALWAYS_INLINE inline void minmax8(const float* x, int64_t n8, float& mn, float& mx, bool& nan) {
   __m256 vmn = _mm256_set1_ps(INFINITY), vmx = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
   for (int64_t i = 0; i < n8; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
@@ -177,10 +177,10 @@ inline void minmax8(const float* x, int64_t n8, float& mn, float& mx, bool& nan)
 }
 
 // Codes of x[0, n32) (n32 a multiple of 32) into b: round((x * p - mnp) * inv) clamped to [0, lv].
-inline void minmax_codes(const float* x, int64_t n32, float p, float mnp, float inv, float lv, uint8_t* b) {
+PPQ_ALWAYS_INLINE inline void minmax_codes(const float* x, int64_t n32, float p, float mnp, float inv, float lv, uint8_t* b) {
   const __m256 vp = _mm256_set1_ps(p), vmnp = _mm256_set1_ps(mnp), vinv = _mm256_set1_ps(inv);
   const __m256 vlv = _mm256_set1_ps(lv), zero = _mm256_setzero_ps(), magic = _mm256_set1_ps(12582912.0f);
-  auto code8 = [&](int64_t i) {
+  auto code8 = [&](int64_t i) PPQ_ALWAYS_INLINE {
     __m256 t = _mm256_mul_ps(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vp), vmnp), vinv);
     t = _mm256_min_ps(_mm256_max_ps(t, zero), vlv);
     return _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_add_ps(t, magic), magic));
@@ -190,8 +190,8 @@ inline void minmax_codes(const float* x, int64_t n32, float p, float mnp, float 
 }
 
 // 8 fp32 -> the output dtype (float, or bf16 rounded to nearest even).
-inline void store8(float* o, __m256 v) { _mm256_storeu_ps(o, v); }
-inline void store8(c10::BFloat16* o, __m256 v) {
+PPQ_ALWAYS_INLINE inline void store8(float* o, __m256 v) { _mm256_storeu_ps(o, v); }
+PPQ_ALWAYS_INLINE inline void store8(c10::BFloat16* o, __m256 v) {
   const __m256i r = ppq::avx2::bf16_bits8(v);
   const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(o), w);
@@ -201,7 +201,7 @@ constexpr bool kVecOut = std::is_same_v<T, float> || std::is_same_v<T, c10::BFlo
 
 // o[j] = fma(b[j], sc, mn) for j < n8 (a multiple of 8).
 template <typename T>
-inline void minmax_values(const uint8_t* b, int64_t n8, float sc, float mn, T* o) {
+PPQ_ALWAYS_INLINE inline void minmax_values(const uint8_t* b, int64_t n8, float sc, float mn, T* o) {
   const __m256 vsc = _mm256_set1_ps(sc), vmn = _mm256_set1_ps(mn);
   for (int64_t j = 0; j < n8; j += 8) {
     const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + j)));
@@ -210,7 +210,7 @@ inline void minmax_values(const uint8_t* b, int64_t n8, float sc, float mn, T* o
 }
 
 // Unpack the first n32 (a multiple of 32) codes of a 4- or 2-bit stream starting at a whole byte.
-inline void unpack32(const uint8_t* src, int64_t n32, int64_t bits, uint8_t* c) {
+PPQ_ALWAYS_INLINE inline void unpack32(const uint8_t* src, int64_t n32, int64_t bits, uint8_t* c) {
   if (bits == 4) {
     const __m128i m = _mm_set1_epi8(15);
     for (int64_t i = 0; i < n32; i += 32) {  // 16 bytes -> 32 codes, the low nibble first
@@ -233,7 +233,7 @@ inline void unpack32(const uint8_t* src, int64_t n32, int64_t bits, uint8_t* c) 
 }
 
 // Pack n32 (a multiple of 32) codes into a 4- or 2-bit stream (the scalar pack()'s bytes).
-inline void pack32(const uint8_t* c, int64_t n32, int64_t bits, uint8_t* dst) {
+PPQ_ALWAYS_INLINE inline void pack32(const uint8_t* c, int64_t n32, int64_t bits, uint8_t* dst) {
   for (int64_t i = 0; i < n32; i += 32) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i));
     if (bits == 4) {  // 16-bit lane c0 | c1 << 8 -> byte c0 | c1 << 4
@@ -503,7 +503,7 @@ void fp8_encode(const at::Tensor& x, int64_t group, int64_t fmt, at::Tensor scal
         e0 = n & ~int64_t(31);
         const __m256 vinv = _mm256_set1_ps(inv);
         auto enc = [&](auto e4m3) {
-          auto code8 = [&](int64_t i) { return ppq::avx2::fp8_codes<decltype(e4m3)::value>(_mm256_mul_ps(_mm256_loadu_ps(p + i), vinv)); };
+          auto code8 = [&](int64_t i) PPQ_ALWAYS_INLINE { return ppq::avx2::fp8_codes<decltype(e4m3)::value>(_mm256_mul_ps(_mm256_loadu_ps(p + i), vinv)); };
           for (int64_t i = 0; i < e0; i += 32)
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), ppq::avx2::bytes32(code8(i), code8(i + 8), code8(i + 16), code8(i + 24)));
         };

@@ -62,3 +62,12 @@
 #else
 #error "PPQ_ISA must be 1 (scalar), 2 (avx2) or 3 (avx512)"
 #endif
+
+// Force inlining of the small vector helpers and the per-8/16-lane lambdas of the kernels: GCC
+// otherwise keeps some lambdas (those with several vector constants) out of line, and every call then
+// passes its vectors through memory (the fp8 and NF4 encoders ran at half speed that way).
+#if defined(__GNUC__)
+#define PPQ_ALWAYS_INLINE __attribute__((always_inline))
+#else
+#define PPQ_ALWAYS_INLINE
+#endif

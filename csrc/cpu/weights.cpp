@@ -435,13 +435,13 @@ void encode_full_block(const T* x, int64_t len, Fmt f, float mult, uint8_t* code
   switch (f) {
     case Fmt::I8: {
       const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-      store_bytes(len, codes, [&](int64_t i) { return _mm512_cvtps_epi32(clamp(_mm512_mul_ps(load16(x + i), inv), lo, hi)); });
+      store_bytes(len, codes, [&](int64_t i) PPQ_ALWAYS_INLINE { return _mm512_cvtps_epi32(clamp(_mm512_mul_ps(load16(x + i), inv), lo, hi)); });
       break;
     }
     case Fmt::I4: {
       const __m512 lo = _mm512_set1_ps(-7.0f), hi = _mm512_set1_ps(7.0f);
       const __m512i eight = _mm512_set1_epi32(8);
-      store_nibbles(len, codes, [&](int64_t i) {
+      store_nibbles(len, codes, [&](int64_t i) PPQ_ALWAYS_INLINE {
         return _mm512_add_epi32(_mm512_cvtps_epi32(clamp(_mm512_mul_ps(load16(x + i), inv), lo, hi)), eight);
       });
       break;
@@ -449,20 +449,20 @@ void encode_full_block(const T* x, int64_t len, Fmt f, float mult, uint8_t* code
     case Fmt::NF4: {
       if (mult <= 0x1p120f) {  // x * (16 / s) == 16 * (x / s)
         const __m512 inv16 = _mm512_set1_ps(16.0f * mult);
-        store_nibbles(len, codes, [&](int64_t i) { return nf4_codes(_mm512_mul_ps(load16(x + i), inv16)); });
+        store_nibbles(len, codes, [&](int64_t i) PPQ_ALWAYS_INLINE { return nf4_codes(_mm512_mul_ps(load16(x + i), inv16)); });
       } else {  // 16 / s would overflow (s < 1e-36): scale in two steps
         const __m512 sixteen = _mm512_set1_ps(16.0f);
-        store_nibbles(len, codes, [&](int64_t i) {
+        store_nibbles(len, codes, [&](int64_t i) PPQ_ALWAYS_INLINE {
           return nf4_codes(_mm512_mul_ps(_mm512_mul_ps(load16(x + i), inv), sixteen));
         });
       }
       break;
     }
     case Fmt::E4M3:
-      store_bytes(len, codes, [&](int64_t i) { return fp8_codes<true>(_mm512_mul_ps(load16(x + i), inv)); });
+      store_bytes(len, codes, [&](int64_t i) PPQ_ALWAYS_INLINE { return fp8_codes<true>(_mm512_mul_ps(load16(x + i), inv)); });
       break;
     case Fmt::E5M2:
-      store_bytes(len, codes, [&](int64_t i) { return fp8_codes<false>(_mm512_mul_ps(load16(x + i), inv)); });
+      store_bytes(len, codes, [&](int64_t i) PPQ_ALWAYS_INLINE { return fp8_codes<false>(_mm512_mul_ps(load16(x + i), inv)); });
       break;
   }
 }
@@ -521,17 +521,17 @@ using ppq::avx2::fp8_decode8;
 using ppq::avx2::load8;
 using ppq::avx2::store16;
 
-inline __m256 clamp(__m256 y, __m256 lo, __m256 hi) { return _mm256_min_ps(hi, _mm256_max_ps(lo, y)); }
+PPQ_ALWAYS_INLINE inline __m256 clamp(__m256 y, __m256 lo, __m256 hi) { return _mm256_min_ps(hi, _mm256_max_ps(lo, y)); }
 
 // Entry j & 31 of a 32-entry table held in t[0..3] (8 lanes each).
-inline __m256 lookup32(const __m256* t, __m256i j) {
+PPQ_ALWAYS_INLINE inline __m256 lookup32(const __m256* t, __m256i j) {
   const __m256 b3 = _mm256_castsi256_ps(_mm256_slli_epi32(j, 28)), b4 = _mm256_castsi256_ps(_mm256_slli_epi32(j, 27));
   const __m256 lo = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t[0], j), _mm256_permutevar8x32_ps(t[1], j), b3);
   const __m256 hi = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t[2], j), _mm256_permutevar8x32_ps(t[3], j), b3);
   return _mm256_blendv_ps(lo, hi, b4);
 }
 // Entry k & 15 of a 16-entry table held in t[0..1].
-inline __m256 lookup16(const __m256* t, __m256i k) {
+PPQ_ALWAYS_INLINE inline __m256 lookup16(const __m256* t, __m256i k) {
   return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t[0], k), _mm256_permutevar8x32_ps(t[1], k),
                           _mm256_castsi256_ps(_mm256_slli_epi32(k, 28)));
 }
@@ -546,7 +546,7 @@ struct NF4Tables {
     }
   }
 };
-inline __m256i nf4_codes(const NF4Tables& t, __m256 y16) {
+PPQ_ALWAYS_INLINE inline __m256i nf4_codes(const NF4Tables& t, __m256 y16) {
   y16 = clamp(y16, _mm256_set1_ps(-16.0f), _mm256_set1_ps(16.0f));
   __m256i j = _mm256_cvtps_epi32(_mm256_floor_ps(y16));
   j = _mm256_min_epi32(_mm256_add_epi32(j, _mm256_set1_epi32(16)), _mm256_set1_epi32(31));
@@ -557,7 +557,7 @@ inline __m256i nf4_codes(const NF4Tables& t, __m256 y16) {
 
 // Store the codes of a full block (len a multiple of 16): code8(i) gives the codes of values i..i+7.
 template <typename F>
-inline void store_bytes(int64_t len, uint8_t* out, F code8) {
+PPQ_ALWAYS_INLINE inline void store_bytes(int64_t len, uint8_t* out, F code8) {
   int64_t i = 0;
   for (; i + 32 <= len; i += 32)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), bytes32(code8(i), code8(i + 8), code8(i + 16), code8(i + 24)));
@@ -565,7 +565,7 @@ inline void store_bytes(int64_t len, uint8_t* out, F code8) {
 }
 // The same for 4-bit codes (0..15 in the low byte of each lane), two per byte, the first high.
 template <typename F>
-inline void store_nibbles(int64_t len, uint8_t* out, F code8) {
+PPQ_ALWAYS_INLINE inline void store_nibbles(int64_t len, uint8_t* out, F code8) {
   int64_t i = 0;
   for (; i + 32 <= len; i += 32) {
     const __m256i w = bytes32(code8(i), code8(i + 8), code8(i + 16), code8(i + 24));  // 16-bit lane: c0 | c1 << 8
@@ -588,13 +588,13 @@ void encode_full_block(const T* x, int64_t len, Fmt f, float mult, uint8_t* code
   switch (f) {
     case Fmt::I8: {
       const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
-      store_bytes(len, codes, [&](int64_t i) { return _mm256_cvtps_epi32(clamp(_mm256_mul_ps(load8(x + i), inv), lo, hi)); });
+      store_bytes(len, codes, [&](int64_t i) PPQ_ALWAYS_INLINE { return _mm256_cvtps_epi32(clamp(_mm256_mul_ps(load8(x + i), inv), lo, hi)); });
       break;
     }
     case Fmt::I4: {
       const __m256 lo = _mm256_set1_ps(-7.0f), hi = _mm256_set1_ps(7.0f);
       const __m256i eight = _mm256_set1_epi32(8);
-      store_nibbles(len, codes, [&](int64_t i) {
+      store_nibbles(len, codes, [&](int64_t i) PPQ_ALWAYS_INLINE {
         return _mm256_add_epi32(_mm256_cvtps_epi32(clamp(_mm256_mul_ps(load8(x + i), inv), lo, hi)), eight);
       });
       break;
@@ -603,20 +603,20 @@ void encode_full_block(const T* x, int64_t len, Fmt f, float mult, uint8_t* code
       const NF4Tables t;
       if (mult <= 0x1p120f) {  // x * (16 / s) == 16 * (x / s)
         const __m256 inv16 = _mm256_set1_ps(16.0f * mult);
-        store_nibbles(len, codes, [&](int64_t i) { return nf4_codes(t, _mm256_mul_ps(load8(x + i), inv16)); });
+        store_nibbles(len, codes, [&](int64_t i) PPQ_ALWAYS_INLINE { return nf4_codes(t, _mm256_mul_ps(load8(x + i), inv16)); });
       } else {
         const __m256 sixteen = _mm256_set1_ps(16.0f);
-        store_nibbles(len, codes, [&](int64_t i) {
+        store_nibbles(len, codes, [&](int64_t i) PPQ_ALWAYS_INLINE {
           return nf4_codes(t, _mm256_mul_ps(_mm256_mul_ps(load8(x + i), inv), sixteen));
         });
       }
       break;
     }
     case Fmt::E4M3:
-      store_bytes(len, codes, [&](int64_t i) { return fp8_codes<true>(_mm256_mul_ps(load8(x + i), inv)); });
+      store_bytes(len, codes, [&](int64_t i) PPQ_ALWAYS_INLINE { return fp8_codes<true>(_mm256_mul_ps(load8(x + i), inv)); });
       break;
     case Fmt::E5M2:
-      store_bytes(len, codes, [&](int64_t i) { return fp8_codes<false>(_mm256_mul_ps(load8(x + i), inv)); });
+      store_bytes(len, codes, [&](int64_t i) PPQ_ALWAYS_INLINE { return fp8_codes<false>(_mm256_mul_ps(load8(x + i), inv)); });
       break;
   }
 }
@@ -637,8 +637,43 @@ void decode_full_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o
     case Fmt::NF4: {
       alignas(32) float lut[16];
       for (int k = 0; k < 16; ++k) lut[k] = f == Fmt::NF4 ? kNF4[k] * s : float(k - 8) * s;
+      if constexpr (std::is_same_v<Out, uint16_t>) {
+        // bf16 out: the 16 values as bf16 (f32_to_bf16, as store() rounds them) in two byte tables, then
+        // byte shuffles: 32 values per 16 code bytes, no conversion per value.
+        alignas(16) uint8_t tlo[16], thi[16];
+        for (int k = 0; k < 16; ++k) {
+          const uint16_t h = f32_to_bf16(lut[k]);
+          tlo[k] = uint8_t(h & 0xff);
+          thi[k] = uint8_t(h >> 8);
+        }
+        const __m128i vlo = _mm_load_si128(reinterpret_cast<const __m128i*>(tlo));
+        const __m128i vhi = _mm_load_si128(reinterpret_cast<const __m128i*>(thi));
+        const __m128i m15 = _mm_set1_epi8(15);
+        int64_t i = 0;
+        for (; i + 32 <= len; i += 32) {
+          const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i / 2));
+          const __m128i first = _mm_and_si128(_mm_srli_epi16(x, 4), m15), second = _mm_and_si128(x, m15);
+          const __m128i k0 = _mm_unpacklo_epi8(first, second), k1 = _mm_unpackhi_epi8(first, second);  // in order
+          const __m128i l0 = _mm_shuffle_epi8(vlo, k0), h0 = _mm_shuffle_epi8(vhi, k0);
+          const __m128i l1 = _mm_shuffle_epi8(vlo, k1), h1 = _mm_shuffle_epi8(vhi, k1);
+          __m128i* op = reinterpret_cast<__m128i*>(o + i);
+          _mm_storeu_si128(op, _mm_unpacklo_epi8(l0, h0));
+          _mm_storeu_si128(op + 1, _mm_unpackhi_epi8(l0, h0));
+          _mm_storeu_si128(op + 2, _mm_unpacklo_epi8(l1, h1));
+          _mm_storeu_si128(op + 3, _mm_unpackhi_epi8(l1, h1));
+        }
+        if (i < len) {  // 16 left
+          const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i / 2));
+          const __m128i k0 = _mm_unpacklo_epi8(_mm_and_si128(_mm_srli_epi16(x, 4), m15), _mm_and_si128(x, m15));
+          const __m128i l0 = _mm_shuffle_epi8(vlo, k0), h0 = _mm_shuffle_epi8(vhi, k0);
+          __m128i* op = reinterpret_cast<__m128i*>(o + i);
+          _mm_storeu_si128(op, _mm_unpacklo_epi8(l0, h0));
+          _mm_storeu_si128(op + 1, _mm_unpackhi_epi8(l0, h0));
+        }
+        break;
+      }
       const __m256 t[2] = {_mm256_load_ps(lut), _mm256_load_ps(lut + 8)};
-      auto nibbles8 = [](const uint8_t* p) {  // 4 bytes -> their 8 codes in order, one per 32-bit lane
+      auto nibbles8 = [](const uint8_t* p) PPQ_ALWAYS_INLINE {  // 4 bytes -> their 8 codes in order, one per 32-bit lane
         int32_t w;
         std::memcpy(&w, p, 4);
         const __m256i c = _mm256_cvtepu8_epi64(_mm_cvtsi32_si128(w));

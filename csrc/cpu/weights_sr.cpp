@@ -205,7 +205,7 @@ void encode_int8(const float* __restrict xf, const float* __restrict u, int8_t* 
   {  // 16 at a time, 8 lanes
     const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-qmax), hi = _mm256_set1_ps(qmax);
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    auto code8 = [&](int64_t i) {
+    auto code8 = [&](int64_t i) PPQ_ALWAYS_INLINE {
       const __m256 y = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(xf + i), vinv), lo), hi);
       const __m256 a = _mm256_and_ps(y, abs_mask);
       const __m256i l = _mm256_cvttps_epi32(a);  // truncation = floor for a >= 0
@@ -247,7 +247,7 @@ int64_t encode_fused_avx2(const void* x, int64_t i0, int64_t i1, float inv, uint
   const __m256i vblo = _mm256_set1_epi32(int32_t(uint32_t(base))), vbhi = _mm256_set1_epi32(int32_t(uint32_t(base >> 32)));
   const __m256i vkey = _mm256_set1_epi32(int32_t(key)), bias = _mm256_set1_epi32(int32_t(0x80000000u));
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  auto uniforms8 = [&](int64_t j) {
+  auto uniforms8 = [&](int64_t j) PPQ_ALWAYS_INLINE {
     const __m256i lo = _mm256_add_epi32(vblo, _mm256_add_epi32(_mm256_set1_epi32(int32_t(j)), lane));
     const __m256i carry = _mm256_cmpgt_epi32(_mm256_xor_si256(vblo, bias), _mm256_xor_si256(lo, bias));  // lo < blo
     const __m256i r = hash8(_mm256_xor_si256(hash8(_mm256_xor_si256(lo, vkey)), _mm256_sub_epi32(vbhi, carry)));
@@ -257,7 +257,7 @@ int64_t encode_fused_avx2(const void* x, int64_t i0, int64_t i1, float inv, uint
   const float qmax = sr_qmax(F);
   const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-qmax), hi = _mm256_set1_ps(qmax);
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  auto code8 = [&](int64_t i) {
+  auto code8 = [&](int64_t i) PPQ_ALWAYS_INLINE {
     const __m256 y = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(ppq::avx2::load8(xp + i), vinv), lo), hi);
     const __m256 a = _mm256_and_ps(y, abs_mask);
     const __m256 u = uniforms8(i);
@@ -320,7 +320,7 @@ void encode_t(const void* x, int64_t i0, int64_t i1, float inv, bool finite, uin
     {
       const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-qmax), hi = _mm256_set1_ps(qmax);
       const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-      auto code8 = [&](int64_t i) {
+      auto code8 = [&](int64_t i) PPQ_ALWAYS_INLINE {
         const __m256 y = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(xf + i), vinv), lo), hi);
         return sr_fp8_8<F == SrFmt::E4M3>(y, _mm256_and_ps(y, abs_mask), _mm256_loadu_ps(u + i));
       };
