@@ -127,6 +127,40 @@ def test_topk_cpp_equals_reference(dtype, B, L, k):
 
 
 @native
+@pytest.mark.parametrize("case", ["ties_at_threshold", "sorted", "reversed", "nan", "k_near_L", "constant"])
+def test_topk_long_rows_equal_reference(case):
+    """Rows long enough for the sampled selection (a bound from a sample, exact selection among the
+    values that clear it, full histogram when too few do): equal to the reference on awkward data."""
+    B, L = 2, 1 << 17
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(B, L, generator=g)
+    k = L // 10
+    if case == "ties_at_threshold":
+        x = (x * 4).round() / 4  # few distinct values: the k-th is one of many equal ones
+    elif case == "sorted":
+        x = x.abs().sort(dim=1).values  # the sample sees small values first: its bound may be too high
+    elif case == "reversed":
+        x = x.abs().sort(dim=1, descending=True).values
+    elif case == "nan":
+        x[0, 12345] = float("nan")
+        x[1, 777] = float("inf")
+    elif case == "k_near_L":
+        k = L - 3
+    else:
+        x = torch.full((B, L), 0.25)
+
+    def run(fn):
+        v, i = torch.empty(B, k), torch.empty(B, k, dtype=torch.int64)
+        s = torch.empty(1, dtype=torch.uint8)
+        fn(x, k, v, i, s)
+        return v, i, s
+
+    ref, cpp = run(REF["topk_encode"]), run(ops.topk_encode)
+    assert torch.equal(ref[1], cpp[1]) and torch.equal(ref[2], cpp[2])
+    assert torch.equal(ref[0].nan_to_num(), cpp[0].nan_to_num())
+
+
+@native
 @pytest.mark.parametrize("bits", [1, 3, 7, 13, 17, 23, 31])
 @pytest.mark.parametrize("n", [1, 8, 13, 1000])
 def test_pack_bits_cpp_equals_reference(bits, n):

@@ -575,9 +575,161 @@ inline std::vector<int32_t>& topk_scratch() {
   return v;
 }
 
+inline std::vector<uint32_t>& topk_scratch_bits() {  // the candidates' value bits
+  thread_local std::vector<uint32_t> v;
+  return v;
+}
+
+#if PPQ_ISA_AVX2
+// Indices and value bits of every x[i] (i < L) whose key |x| bits are >= lo, in ascending order, into
+// c32/cv (capacity L + 8); returns their count. 8 keys at a time: compare, then left-pack the passing
+// lanes with one permute (a table of the 256 masks' permutations) and advance by their count: no
+// branch per element (a scalar loop mispredicts on ~10% random hits). *maxkey: the largest key seen.
+inline int64_t compact_ge(const float* x, int64_t L, uint32_t lo, int32_t* c32, uint32_t* cv, uint32_t* maxkey) {
+  static const auto kPack = [] {
+    std::array<uint32_t, 256 * 8> t{};
+    for (int mk = 0; mk < 256; ++mk) {
+      int j = 0;
+      for (int b = 0; b < 8; ++b)
+        if (mk >> b & 1) t[mk * 8 + j++] = uint32_t(b);
+    }
+    return t;
+  }();
+  int64_t nc = 0, i = 0;
+  const __m256i vlo = _mm256_set1_epi32(int32_t(lo) - 1), mask = _mm256_set1_epi32(0x7fffffff);
+  __m256i vi = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), vmax = _mm256_setzero_si256();
+  const __m256i eight = _mm256_set1_epi32(8);
+  for (; i + 8 <= L; i += 8) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+    const __m256i key = _mm256_and_si256(raw, mask);
+    vmax = _mm256_max_epu32(vmax, key);
+    const int mk = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(key, vlo)));  // key >= lo (< 2^31)
+    const __m256i perm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kPack.data() + mk * 8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c32 + nc), _mm256_permutevar8x32_epi32(vi, perm));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(cv + nc), _mm256_permutevar8x32_epi32(raw, perm));
+    nc += __builtin_popcount(unsigned(mk));
+    vi = _mm256_add_epi32(vi, eight);
+  }
+  uint32_t m = ppq::avx2::hmax_epu32(vmax);
+  for (; i < L; ++i) {
+    const uint32_t raw = fp8::bits(x[i]), key = raw & 0x7fffffffu;
+    m = std::max(m, key);
+    if (key >= lo) c32[nc] = int32_t(i), cv[nc++] = raw;
+  }
+  *maxkey = m;
+  return nc;
+}
+
+// The k largest |x| of a float row, from a sample: the keys of 64 spread chunks of the row give a bound
+// lo that at least k values should clear (the sample's k-quantile, with a margin); one pass keeps the
+// values >= lo with their indices, and the exact selection (histogram, threshold bin, ties to the lower
+// index) runs on those candidates only. Exact whenever at least k values clear lo, which the pass
+// counts; returns -1 otherwise (an unrepresentative sample: the caller runs the full histogram).
+inline int topk_row_sampled(const float* x, int64_t L, int64_t k, int64_t* idx, float* vals,
+                            std::vector<uint32_t>& hist) {
+  constexpr int64_t kChunks = 64, kChunk = 256;
+  std::fill(hist.begin(), hist.end(), 0u);
+  uint32_t* h = hist.data();
+  const int64_t stride = L / kChunks, S = kChunks * kChunk;
+  for (int64_t c = 0; c < kChunks; ++c) {
+    const float* p = x + c * stride;
+    for (int64_t i = 0; i < kChunk; ++i) h[(fp8::bits(p[i]) & 0x7fffffffu) >> 15]++;
+  }
+  // the sample's count to clear: k's share plus a margin of ~4 standard deviations and 10%
+  const double share = double(k) * double(S) / double(L);
+  const int64_t want = int64_t(share * 1.1 + 4.0 * std::sqrt(share) + 16.0);
+  if (want >= S) return -1;
+  int64_t above = 0, tb = 65535;
+  for (; tb > 0; --tb) {
+    above += h[tb];
+    if (above >= want) break;
+  }
+  std::vector<int32_t>& c32 = topk_scratch();
+  std::vector<uint32_t>& cv = topk_scratch_bits();
+  c32.resize(size_t(L) + 8);
+  cv.resize(size_t(L) + 8);
+  uint32_t maxkey = 0;
+  const int64_t nc = compact_ge(x, L, uint32_t(tb) << 15, c32.data(), cv.data(), &maxkey);
+  if (nc < k) return -1;
+  // exact selection among the candidates: histogram of their keys, the threshold bin, its k-th key
+  std::fill(hist.begin(), hist.end(), 0u);
+  for (int64_t j = 0; j < nc; ++j) h[(cv[j] & 0x7fffffffu) >> 15]++;
+  int64_t above2 = 0, tb2 = 65535;
+  for (; tb2 >= 0; --tb2) {
+    if (above2 + h[tb2] >= k) break;
+    above2 += h[tb2];
+  }
+  std::vector<uint32_t> keys;
+  keys.reserve(h[tb2]);
+  for (int64_t j = 0; j < nc; ++j) {
+    const uint32_t key = cv[j] & 0x7fffffffu;
+    if ((key >> 15) == uint32_t(tb2)) keys.push_back(key);
+  }
+  const int64_t need = k - above2;
+  std::nth_element(keys.begin(), keys.begin() + (need - 1), keys.end(), std::greater<uint32_t>());
+  const uint32_t T_ = keys[need - 1];
+  int64_t greater = above2;
+  for (uint32_t key : keys) greater += key > T_;
+  int64_t ties = k - greater, o = 0, j = 0;
+  int64_t equal = 0;  // keys == T_ among the candidates
+  for (uint32_t key : keys) equal += key == T_;
+  if (equal == ties) {  // every key >= T_ is taken (the usual case): left-pack them 8 at a time
+    static const auto kPack = [] {
+      std::array<uint32_t, 256 * 8> t{};
+      for (int mk = 0; mk < 256; ++mk) {
+        int q = 0;
+        for (int b = 0; b < 8; ++b)
+          if (mk >> b & 1) t[mk * 8 + q++] = uint32_t(b);
+      }
+      return t;
+    }();
+    const __m256i vt = _mm256_set1_epi32(int32_t(T_) - 1), mask = _mm256_set1_epi32(0x7fffffff);
+    for (; j + 8 <= nc && o + 8 <= k; j += 8) {  // stores of 8 stay inside the k outputs
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cv.data() + j));
+      const int mk = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_and_si256(raw, mask), vt)));
+      const __m256i perm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kPack.data() + mk * 8));
+      const __m256i ix = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c32.data() + j)), perm);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(vals + o), _mm256_permutevar8x32_epi32(raw, perm));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + o), _mm256_cvtepi32_epi64(_mm256_castsi256_si128(ix)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + o + 4), _mm256_cvtepi32_epi64(_mm256_extracti128_si256(ix, 1)));
+      const int taken = __builtin_popcount(unsigned(mk));
+      o += taken;
+    }
+    ties = 0;  // the scalar loop below takes every key >= T_ that is left
+    for (; j < nc; ++j) {
+      const uint32_t key = cv[j] & 0x7fffffffu;
+      if (key >= T_) {
+        idx[o] = c32[j];
+        vals[o++] = fp8::from_bits(cv[j]);
+      }
+    }
+  } else {
+    for (; j < nc; ++j) {
+      const uint32_t key = cv[j] & 0x7fffffffu;
+      const bool take = key > T_ || (key == T_ && ties > 0);
+      ties -= key == T_ && take;
+      if (take) {
+        idx[o] = c32[j];
+        vals[o++] = fp8::from_bits(cv[j]);
+      }
+    }
+  }
+  TORCH_INTERNAL_ASSERT(o == k, "topk selected ", o, " of ", k);
+  return maxkey >= 0x7f800000u ? 1 : 0;
+}
+#endif
+
 template <typename T>
-bool topk_row(const T* x, int64_t L, int64_t k, int64_t* idx, std::vector<uint32_t>& hist,
+bool topk_row(const T* x, int64_t L, int64_t k, int64_t* idx, T* vals, std::vector<uint32_t>& hist,
               std::vector<int64_t>& cand) {
+#if PPQ_ISA_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    if (L >= (int64_t(1) << 16) && L < (int64_t(1) << 31) - 16) {
+      const int r = topk_row_sampled(x, L, k, idx, vals, hist);
+      if (r >= 0) return r == 1;
+    }
+  }
+#endif
   // Pass 1: histogram of the top 16 bits of the key (bit 31 is always 0).
   std::fill(hist.begin(), hist.end(), 0u);
   uint32_t* h = hist.data();
@@ -599,34 +751,36 @@ bool topk_row(const T* x, int64_t L, int64_t k, int64_t* idx, std::vector<uint32
   int64_t i2 = 0;
 #if PPQ_ISA_AVX2
   if constexpr (std::is_same_v<T, float>) if (L < (int64_t(1) << 31) - 16) {
-    // 8 keys at a time: compare, then left-pack the passing lanes' indices with one permute (a table of
-    // the 256 masks' permutations) and advance by their count: no branch per element (the scalar loop
-    // mispredicts on ~10% random hits).
-    static const auto kPack = [] {
-      std::array<uint32_t, 256 * 8> t{};
-      for (int mk = 0; mk < 256; ++mk) {
-        int j = 0;
-        for (int b = 0; b < 8; ++b)
-          if (mk >> b & 1) t[mk * 8 + j++] = uint32_t(b);
-      }
-      return t;
-    }();
     std::vector<int32_t>& c32 = topk_scratch();
+    std::vector<uint32_t>& cv = topk_scratch_bits();
     c32.resize(size_t(L) + 8);
-    int64_t nc = 0;
-    const __m256i vlo = _mm256_set1_epi32(int32_t(lo) - 1), mask = _mm256_set1_epi32(0x7fffffff);
-    __m256i vi = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i eight = _mm256_set1_epi32(8);
-    for (; i2 + 8 <= L; i2 += 8) {
-      const __m256i key = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i2)), mask);
-      const int mk = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(key, vlo)));  // key >= lo (keys < 2^31)
-      const __m256i perm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kPack.data() + mk * 8));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c32.data() + nc), _mm256_permutevar8x32_epi32(vi, perm));
-      nc += __builtin_popcount(unsigned(mk));
-      vi = _mm256_add_epi32(vi, eight);
+    cv.resize(size_t(L) + 8);
+    uint32_t maxkey = 0;
+    const int64_t nc = compact_ge(x, L, lo, c32.data(), cv.data(), &maxkey);
+    // The rest runs on the compact candidate arrays (index, value bits) instead of re-reading x.
+    std::vector<uint32_t> keys;
+    keys.reserve(h[tb]);
+    for (int64_t j = 0; j < nc; ++j) {
+      const uint32_t key = cv[j] & 0x7fffffffu;
+      if ((key >> 15) == uint32_t(tb)) keys.push_back(key);
     }
-    cand.resize(size_t(nc));
-    for (int64_t j = 0; j < nc; ++j) cand[j] = c32[j];
+    const int64_t need = k - above;
+    std::nth_element(keys.begin(), keys.begin() + (need - 1), keys.end(), std::greater<uint32_t>());
+    const uint32_t T_ = keys[need - 1];
+    int64_t greater = above;
+    for (uint32_t key : keys) greater += key > T_;
+    int64_t ties = k - greater, o = 0;
+    for (int64_t j = 0; j < nc; ++j) {
+      const uint32_t key = cv[j] & 0x7fffffffu;
+      const bool take = key > T_ || (key == T_ && ties > 0);
+      ties -= key == T_ && take;
+      if (take) {
+        idx[o] = c32[j];
+        vals[o++] = fp8::from_bits(cv[j]);
+      }
+    }
+    TORCH_INTERNAL_ASSERT(o == k, "topk selected ", o, " of ", k);
+    return bad;
   }
 #endif
   for (int64_t i = i2; i < L; ++i)
@@ -655,6 +809,7 @@ bool topk_row(const T* x, int64_t L, int64_t k, int64_t* idx, std::vector<uint32
     }
   }
   TORCH_INTERNAL_ASSERT(j == k, "topk selected ", j, " of ", k);
+  for (int64_t o = 0; o < k; ++o) vals[o] = x[idx[o]];
   return bad;
 }
 
@@ -678,8 +833,7 @@ void topk_encode(const at::Tensor& x, int64_t k, at::Tensor values, at::Tensor i
       std::vector<int64_t> cand;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t b = 0; b < B; ++b) {
-        bad |= topk_row(xp + b * L, L, k, ip + b * k, hist, cand);
-        for (int64_t j = 0; j < k; ++j) vp[b * k + j] = xp[b * L + ip[b * k + j]];
+        bad |= topk_row(xp + b * L, L, k, ip + b * k, vp + b * k, hist, cand);
       }
     }
   });
