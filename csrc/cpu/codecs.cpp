@@ -209,7 +209,7 @@ PPQ_ALWAYS_INLINE inline void minmax_values(const uint8_t* b, int64_t n8, float 
   }
 }
 
-// Unpack the first n32 (a multiple of 32) codes of a 4- or 2-bit stream starting at a whole byte.
+// Unpack the first n32 (a multiple of 32) codes of a 6-, 4- or 2-bit stream starting at a whole byte.
 PPQ_ALWAYS_INLINE inline void unpack32(const uint8_t* src, int64_t n32, int64_t bits, uint8_t* c) {
   if (bits == 4) {
     const __m128i m = _mm_set1_epi8(15);
@@ -218,6 +218,21 @@ PPQ_ALWAYS_INLINE inline void unpack32(const uint8_t* src, int64_t n32, int64_t 
       const __m128i lo = _mm_and_si128(x, m), hi = _mm_and_si128(_mm_srli_epi16(x, 4), m);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i), _mm_unpacklo_epi8(lo, hi));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i + 16), _mm_unpackhi_epi8(lo, hi));
+    }
+  } else if (bits == 6) {  // 12 bytes -> 16 codes, twice: 3 bytes per dword, then 6-bit fields to bytes
+    const __m128i spread = _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
+    auto load12 = [](const uint8_t* p) PPQ_ALWAYS_INLINE {
+      int32_t t;
+      std::memcpy(&t, p + 8, 4);
+      return _mm_insert_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), t, 2);
+    };
+    for (int64_t i = 0; i < n32; i += 16) {
+      const __m128i w = _mm_shuffle_epi8(load12(src + i / 4 * 3), spread);
+      const __m128i r = _mm_or_si128(
+          _mm_or_si128(_mm_and_si128(w, _mm_set1_epi32(0x3f)), _mm_and_si128(_mm_slli_epi32(w, 2), _mm_set1_epi32(0x3f00))),
+          _mm_or_si128(_mm_and_si128(_mm_slli_epi32(w, 4), _mm_set1_epi32(0x3f0000)),
+                       _mm_and_si128(_mm_slli_epi32(w, 6), _mm_set1_epi32(0x3f000000))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i), r);
     }
   } else {  // 2 bits: 8 bytes -> 32 codes
     const __m128i m = _mm_set1_epi8(3);
@@ -232,7 +247,7 @@ PPQ_ALWAYS_INLINE inline void unpack32(const uint8_t* src, int64_t n32, int64_t 
   }
 }
 
-// Pack n32 (a multiple of 32) codes into a 4- or 2-bit stream (the scalar pack()'s bytes).
+// Pack n32 (a multiple of 32) codes into a 6-, 4- or 2-bit stream (the scalar pack()'s bytes).
 PPQ_ALWAYS_INLINE inline void pack32(const uint8_t* c, int64_t n32, int64_t bits, uint8_t* dst) {
   for (int64_t i = 0; i < n32; i += 32) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i));
@@ -240,6 +255,19 @@ PPQ_ALWAYS_INLINE inline void pack32(const uint8_t* c, int64_t n32, int64_t bits
       const __m256i t = _mm256_and_si256(_mm256_or_si256(w, _mm256_srli_epi16(w, 4)), _mm256_set1_epi16(0xff));
       const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi16(t, t), 0x08);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i / 2), _mm256_castsi256_si128(p));
+    } else if (bits == 6) {  // 32-bit lane c0 | c1 << 8 | c2 << 16 | c3 << 24 -> 24 bits c0 | c1 << 6 | ..., 3 bytes
+      const __m256i t16 = _mm256_maddubs_epi16(w, _mm256_set1_epi16(0x4001));      // c0 + 64 c1, c2 + 64 c3
+      const __m256i t32 = _mm256_madd_epi16(t16, _mm256_set1_epi32(0x10000001));   // + 4096 (c2 + 64 c3)
+      const __m256i squeeze = _mm256_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1,
+                                               0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1);
+      const __m256i b = _mm256_shuffle_epi8(t32, squeeze);
+      uint8_t* d = dst + i / 4 * 3;
+      const __m128i b0 = _mm256_castsi256_si128(b), b1 = _mm256_extracti128_si256(b, 1);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(d), b0);
+      const int32_t t0 = _mm_extract_epi32(b0, 2), t1 = _mm_extract_epi32(b1, 2);
+      std::memcpy(d + 8, &t0, 4);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(d + 12), b1);
+      std::memcpy(d + 20, &t1, 4);
     } else {  // 32-bit lane c0 | c1 << 8 | c2 << 16 | c3 << 24 -> byte c0 | c1 << 2 | c2 << 4 | c3 << 6
       const __m256i t16 = _mm256_maddubs_epi16(w, _mm256_set1_epi16(0x0401));      // c0 + 4 c1, c2 + 4 c3
       const __m256i t32 = _mm256_madd_epi16(t16, _mm256_set1_epi32(0x00100001));   // + 16 (c2 + 4 c3)
@@ -320,7 +348,7 @@ void encode_span(const T* x, int64_t i0, int64_t i1, int64_t d, int64_t group, i
       i = end;
     }
 #if PPQ_ISA_AVX2
-    if (bits == 4 || bits == 2) {
+    if (bits != 8) {
       const int64_t n32 = (s1 - s0) & ~int64_t(31);
       v2::pack32(buf, n32, bits, codes + s0 * bits / 8);
       pack(buf + n32, s1 - s0 - n32, bits, codes + (s0 + n32) * bits / 8);
@@ -406,7 +434,7 @@ void quant_decode(const at::Tensor& codes, const at::Tensor& mins, const at::Ten
       alignas(64) uint8_t buf[kSeg];
       int64_t s0 = ch * kSeg, s1 = std::min(n, s0 + kSeg);
 #if PPQ_ISA_AVX2
-      if (bits == 4 || bits == 2) {
+      if (bits != 8) {
         const int64_t n32 = (s1 - s0) & ~int64_t(31);
         v2::unpack32(cp + s0 * bits / 8, n32, bits, buf);
         unpack(cp + (s0 + n32) * bits / 8, s1 - s0 - n32, bits, buf + n32);
