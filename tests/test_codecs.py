@@ -161,7 +161,7 @@ def test_topk_long_rows_equal_reference(case):
 
 
 @native
-@pytest.mark.parametrize("bits", [1, 3, 7, 13, 17, 23, 31])
+@pytest.mark.parametrize("bits", [1, 3, 7, 13, 17, 23, 31, 41, 56])
 @pytest.mark.parametrize("n", [1, 8, 13, 1000])
 def test_pack_bits_cpp_equals_reference(bits, n):
     idx = torch.randint(0, 1 << bits, (n,))

@@ -914,6 +914,26 @@ void pack_bits(const at::Tensor& idx, int64_t bits, at::Tensor out) {
   for (int64_t blk = 0; blk < blocks; ++blk) {
     int64_t i0 = blk * 8, i1 = std::min(n, i0 + 8);
     uint8_t* dst = op + blk * bits;
+    if (i1 - i0 == 8) {  // a whole block: a 64-bit bit writer into a local buffer, then its bytes
+      alignas(8) uint8_t buf[72];
+      uint64_t acc = 0;
+      int nacc = 0, w = 0;
+      for (int j = 0; j < 8; ++j) {
+        const uint64_t v = uint64_t(ip[i0 + j]) & mask;
+        acc |= v << nacc;
+        if (nacc + bits >= 64) {  // bits <= 56, so nacc > 0 here
+          std::memcpy(buf + w, &acc, 8);
+          w += 8;
+          acc = v >> (64 - nacc);
+          nacc = nacc + int(bits) - 64;
+        } else {
+          nacc += int(bits);
+        }
+      }
+      std::memcpy(buf + w, &acc, 8);
+      std::memcpy(dst, buf, size_t(bits));
+      continue;
+    }
     int64_t nbytes = packed_nbytes(i1 - i0, bits);
     uint64_t acc = 0;
     int nacc = 0;
@@ -938,12 +958,27 @@ void unpack_bits(const at::Tensor& packed, int64_t bits, at::Tensor out) {
   check_buffer(packed, at::kByte, packed_nbytes(n, bits), "packed");
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   int64_t* op = out.data_ptr<int64_t>();
-  const int64_t blocks = (n + 7) / 8;
+  const int64_t blocks = (n + 7) / 8, total = packed_nbytes(n, bits);
   const uint64_t mask = (uint64_t(1) << bits) - 1;
 #pragma omp parallel for schedule(static)
   for (int64_t blk = 0; blk < blocks; ++blk) {
     int64_t i0 = blk * 8, i1 = std::min(n, i0 + 8);
     const uint8_t* src = pp + blk * bits;
+    if (i1 - i0 == 8) {  // a whole block: each value from one 64-bit read at its byte
+      alignas(8) uint8_t buf[64] = {};
+      const uint8_t* b = src;
+      if ((blk + 1) * bits + 8 > total) {  // near the end of the stream: read from a padded copy
+        std::memcpy(buf, src, size_t(bits));
+        b = buf;
+      }
+      for (int j = 0; j < 8; ++j) {
+        const int64_t pos = j * bits;
+        uint64_t cur;
+        std::memcpy(&cur, b + pos / 8, 8);
+        op[i0 + j] = int64_t((cur >> (pos & 7)) & mask);
+      }
+      continue;
+    }
     int64_t nbytes = packed_nbytes(i1 - i0, bits);
     uint64_t acc = 0;
     int nacc = 0;
