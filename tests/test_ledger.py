@@ -167,3 +167,51 @@ def test_optimizer_kind_follows_the_config():
     assert optimizer_kind(WeightsConfig(optimizer_8bit=True), "adam") == "adam8bit"
     with pytest.raises(ValueError, match="optimizer_8bit=true needs an Adam-type optimizer"):
         optimizer_kind(WeightsConfig(optimizer_8bit=True), "sgd")
+
+
+class _UserLoRA(nn.Module):
+    """A LoRA adapter as a fine-tuning script writes it (PEFT-style): the base layer frozen inside."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.A = nn.Parameter(torch.randn(rank, base.in_features) * 0.01)
+        self.B = nn.Parameter(torch.zeros(base.out_features, rank))
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.A.t()) @ self.B.t()
+
+
+def _user_lora_gpt() -> nn.Module:
+    """The small GPT with every block Linear wrapped in a user LoRA adapter, all else frozen."""
+    model = GPT(CFG).requires_grad_(False)
+    for name, mod in list(model.named_modules()):
+        for child, sub in list(mod.named_children()):
+            top = name.split(".")[0]
+            if isinstance(sub, nn.Linear) and top.isdigit() and int(top) in BLOCKS:
+                setattr(mod, child, _UserLoRA(sub))
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_a_weight_the_model_froze_keeps_only_its_codes(fmt):
+    """A LoRA fine-tune's own frozen base layers go low-bit without a master, a gradient or adapters
+    of ppq's; the ledger predicts exactly what the trained model holds."""
+    wcfg = WeightsConfig(format=fmt, keep_first_blocks=0, keep_last_blocks=0)
+    predicted = ledger_from_model(_user_lora_gpt(), wcfg, optimizer="adamw", block_layers=BLOCKS)
+    model = convert_model(_user_lora_gpt(), wcfg, block_layers=BLOCKS)
+    frozen = [m for m in model.modules() if type(m).__name__ == "QuantLinear"]
+    assert len(frozen) == 4 * len(BLOCKS)
+    assert all(m.mode == "frozen" and m.weight is None and m.lora_A is None for m in frozen)
+    assert lora_parameters(model) == []
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in trainable) == sum(
+        p.numel() for n, p in _user_lora_gpt().named_parameters() if p.requires_grad)
+    opt = build_optimizer(trainable, "adamw", lr=1e-3)
+    clear_workspace()
+    _train(model, opt)
+    assert all(m.base.qweight is not None for m in model.modules() if isinstance(m, _UserLoRA))
+    measured = measure_storage(model, opt)
+    assert measured.bytes == predicted.bytes, (
+        f"\n{predicted.table('predicted')}\n{measured.table('measured')}")
+    assert "master_weights" not in predicted.bytes

@@ -162,7 +162,8 @@ class ParamSpec:
     """One parameter tensor of a model description.
 
     ``format`` is the low-bit storage of a weight (``none``: dense); ``mode`` is ``"train"``
-    (trained) or ``"frozen"`` (low-bit base only; add ``lora`` adapters); ``master`` is ``"fp32"``
+    (trained) or ``"frozen"`` (low-bit base only; add ``lora`` adapters); a low-bit weight with
+    ``trainable=False`` was frozen by the model itself and keeps its codes only; ``master`` is ``"fp32"``
     (an fp32 master weight) or ``"none"`` (master-free: codes updated in place), train mode only.
     None takes the ``WeightsConfig``'s.
     """
@@ -257,6 +258,8 @@ def ledger_from_shapes(
             led.add(f"weights.{s.format.value}.{part}", b)
         mode = s.mode if isinstance(e, ParamSpec) else cfg.mode
         master = (s.master if isinstance(e, ParamSpec) else None) or cfg.master
+        if not s.trainable:  # frozen by the model itself: the codes are all it keeps
+            continue
         if mode == "train" and master == "none":
             master_free.append(n)
         elif mode == "train":
@@ -311,8 +314,9 @@ def _model_specs(model: nn.Module, weights_cfg, **policy_kwargs) -> tuple[list[P
         if isinstance(mod, QuantLinear):
             shape = (mod.out_features, mod.in_features)
             master = "none" if mod.master_free else "fp32" if mod.mode == "train" else None
-            specs.append(
-                ParamSpec(f"{mname}.weight", shape, mod.format, torch.float32, True, mod.mode, master)
+            specs.append(  # a weight the model froze: codes only (no master, no adapters)
+                ParamSpec(f"{mname}.weight", shape, mod.format, torch.float32, mod.lora_A is not None
+                          or mod.mode == "train", mod.mode, master)
             )
             if mod.mode == "frozen":
                 # the adapters are added by ledger_from_shapes from the base shape and lora_rank
@@ -338,9 +342,9 @@ def _model_specs(model: nn.Module, weights_cfg, **policy_kwargs) -> tuple[list[P
             seen.add(id(p))
             d = decisions.get(mname) if pname == "weight" else None
             if d is not None:
-                specs.append(
-                    ParamSpec(f"{mname}.weight", tuple(p.shape), d.format, torch.float32, True, cfg.mode)
-                )
+                specs.append(ParamSpec(f"{mname}.weight", tuple(p.shape), d.format, torch.float32,
+                                       p.requires_grad or cfg.mode == "frozen",
+                                       cfg.mode if p.requires_grad else "frozen"))
             else:
                 trainable = p.requires_grad and not (
                     cfg.mode == "frozen" and decisions.get(mname) is not None

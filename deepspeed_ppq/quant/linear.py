@@ -18,6 +18,9 @@ Two modes (``WeightsConfig.mode``):
 * ``"frozen"``: only the low-bit base is kept (no master, no weight gradient), plus trainable LoRA
   adapters ``y = x W^T + b + (alpha / r) (x A^T) B^T`` with ``A`` [r, in] (Kaiming init) and ``B``
   [out, r] (zeros). The bias is frozen too.
+* A weight the model itself froze (``requires_grad=False``, as a LoRA fine-tune built with its own
+  adapters freezes its base layers) stays frozen whatever the mode: ``from_linear`` keeps only its
+  low-bit codes, with no master, no gradient and no adapters of its own (``lora_A`` is None).
 
 Memory (see ``quant.ledger``): "train" keeps master (4 B/value) + codes + scales + the master's
 gradient and optimizer state; "frozen" keeps codes + scales and the small adapters. The dequantized
@@ -141,6 +144,8 @@ class QuantLinear(nn.Module):
         weight: initial weight [out, in] (default: ``nn.Linear``'s init).
         sr_seed: master-free only: the stochastic-rounding seed of this layer (``convert_model``
             uses the CRC-32 of the layer's name), in [0, 2^32).
+        trainable: False for a weight the model froze: the layer keeps its codes only (mode
+            ``"frozen"`` without adapters unless ``weights_cfg.mode`` asks for them).
     """
 
     def __init__(
@@ -154,6 +159,7 @@ class QuantLinear(nn.Module):
         device=None,
         dtype: torch.dtype | None = None,
         sr_seed: int = 0,
+        trainable: bool = True,
     ):
         super().__init__()
         cfg = weights_cfg or WeightsConfig()
@@ -161,7 +167,8 @@ class QuantLinear(nn.Module):
         if fmt == WeightFormat.none:
             raise ValueError("QuantLinear needs a low-bit format; fmt='none' means keep nn.Linear")
         self.in_features, self.out_features = in_features, out_features
-        self.format, self.mode, self.weights_cfg = fmt, cfg.mode, cfg
+        self.format, self.weights_cfg = fmt, cfg
+        self.mode = cfg.mode if trainable else "frozen"
         self.dense_dtype = dtype or (weight.dtype if weight is not None else torch.float32)
         if weight is None:
             ref = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=torch.float32)
@@ -202,7 +209,10 @@ class QuantLinear(nn.Module):
             )
         else:
             self.register_parameter("bias", None)
-        if self.mode == "frozen":
+        if cfg.mode != "frozen":  # no adapters of its own
+            self.register_parameter("lora_A", None)
+            self.register_parameter("lora_B", None)
+        else:
             r = cfg.lora_rank
             self.lora_scaling = cfg.lora_alpha / r
             self.lora_A = nn.Parameter(torch.empty(r, in_features, device=master.device))
@@ -213,7 +223,8 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt, weights_cfg: WeightsConfig | None = None,
                     sr_seed: int = 0) -> QuantLinear:
-        """Build from an ``nn.Linear``: its weight becomes the master (train) or the frozen base."""
+        """Build from an ``nn.Linear``: its weight becomes the master (train) or the frozen base; a
+        weight the model froze (``requires_grad=False``) stays frozen (codes only, no adapters)."""
         q = cls(
             linear.in_features,
             linear.out_features,
@@ -223,6 +234,7 @@ class QuantLinear(nn.Module):
             weight=linear.weight,
             dtype=linear.weight.dtype,
             sr_seed=sr_seed,
+            trainable=linear.weight.requires_grad,
         )
         if linear.bias is not None:
             with torch.no_grad():
@@ -251,7 +263,7 @@ class QuantLinear(nn.Module):
             raise TypeError(f"QuantLinear input dtype {x.dtype} is not supported: use float32 or bfloat16")
         master = self._grad_anchor if self.master_free else self.weight
         y = DequantLinearFunction.apply(x, master, self.bias, self)
-        if self.mode == "frozen":
+        if self.lora_A is not None:
             y = (
                 y
                 + F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.lora_scaling
@@ -365,10 +377,10 @@ def requantize_model(model: nn.Module) -> int:
 
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The LoRA adapter parameters of every frozen-mode ``QuantLinear``."""
+    """The LoRA adapter parameters of every frozen-mode ``QuantLinear`` that has its own adapters."""
     return [
         p
         for m in model.modules()
-        if isinstance(m, QuantLinear) and m.mode == "frozen"
+        if isinstance(m, QuantLinear) and m.lora_A is not None
         for p in (m.lora_A, m.lora_B)
     ]
