@@ -4,6 +4,9 @@ Nothing is downloaded. The corpus is the ``.py`` files under ``sysconfig``'s std
 site-packages left out), in sorted order; every 10th file goes to validation, so the split is by
 document and deterministic. A byte-level BPE tokenizer is trained on the training text with numpy
 (a few seconds) and cached under ``~/.cache/deepspeed_ppq`` (``PPQ_CACHE_DIR`` overrides).
+
+Fine-tuning text (``build_finetune_datasets``) is another domain of the same source: the stdlib files
+past the pretraining text, encoded with the pretraining tokenizer.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["load_corpus", "BPETokenizer", "TokenDataset", "build_token_datasets", "cache_dir"]
+__all__ = ["load_corpus", "BPETokenizer", "TokenDataset", "build_token_datasets", "finetune_texts",
+           "build_finetune_datasets", "cache_dir"]
 
 _SKIP_DIRS = {"test", "tests", "site-packages", "dist-packages", "idle_test", "__pycache__", "lib2to3"}
 
@@ -148,6 +152,18 @@ class TokenDataset(torch.utils.data.Dataset):
         return chunk[:-1], chunk[1:]
 
 
+def _write_atomic(d: Path, writers: dict) -> None:
+    """Write each ``name -> writer(path)`` into ``d`` through a private folder, then move the files in:
+    concurrent ranks may build the same cache."""
+    tmp = d / f"tmp-{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    for name, write in writers.items():
+        write(tmp / name)
+    for f in tmp.iterdir():
+        os.replace(f, d / f.name)
+    tmp.rmdir()
+
+
 def build_token_datasets(seq_len: int = 128, vocab_size: int = 512, max_bytes: int = 4_000_000
                          ) -> tuple[TokenDataset, TokenDataset, BPETokenizer]:
     """Train/validation datasets over the stdlib corpus with a locally trained BPE (cached)."""
@@ -161,13 +177,42 @@ def build_token_datasets(seq_len: int = 128, vocab_size: int = 512, max_bytes: i
     else:
         tok, train_ids = BPETokenizer.train(train_text, vocab_size)
         val_ids = tok.encode(val_text)
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f"tmp-{os.getpid()}"
-        tmp.mkdir(exist_ok=True)
-        np.save(tmp / "train.npy", train_ids.astype(np.int32))
-        np.save(tmp / "val.npy", val_ids.astype(np.int32))
-        tok.save(tmp / "tokenizer.json")
-        for f in tmp.iterdir():  # atomic per file: concurrent ranks may build the same cache
-            os.replace(f, d / f.name)
-        tmp.rmdir()
+        _write_atomic(d, {"train.npy": lambda f: np.save(f, train_ids.astype(np.int32)),
+                          "val.npy": lambda f: np.save(f, val_ids.astype(np.int32)),
+                          "tokenizer.json": tok.save})
+    return TokenDataset(train_ids, seq_len), TokenDataset(val_ids, seq_len), tok
+
+
+def finetune_texts(pretrain_bytes: int, skip_bytes: int = 250_000,
+                   ft_bytes: int = 600_000) -> tuple[str, str]:
+    """(train, validation) text of a fine-tuning domain: stdlib files past the pretraining text.
+
+    The pretraining text is the first ``pretrain_bytes`` of the sorted stdlib files; the next
+    ``skip_bytes`` are skipped (the rest of the package the pretraining text ends in) and the following
+    ``ft_bytes`` are the fine-tuning files, split by file as the pretraining text is.
+    """
+    start = pretrain_bytes + skip_bytes
+    tr0, va0 = load_corpus(start)
+    tr1, va1 = load_corpus(start + ft_bytes)
+    if not (tr1.startswith(tr0) and va1.startswith(va0)) or len(va1) <= len(va0) + 1:
+        raise ValueError(f"ft_bytes={ft_bytes}: the stdlib has no held-out files past byte {start}; lower "
+                         "pretrain_bytes/skip_bytes or raise ft_bytes")
+    return tr1[len(tr0) + 1:], va1[len(va0) + 1:]
+
+
+def build_finetune_datasets(seq_len: int, vocab_size: int, pretrain_bytes: int, skip_bytes: int = 250_000,
+                            ft_bytes: int = 600_000) -> tuple[TokenDataset, TokenDataset, BPETokenizer]:
+    """Train/validation datasets of the fine-tuning text (``finetune_texts``), encoded with the tokenizer
+    of ``build_token_datasets(seq_len, vocab_size, pretrain_bytes)``; cached beside it."""
+    _, _, tok = build_token_datasets(seq_len, vocab_size, pretrain_bytes)
+    key = hashlib.sha256(f"ft|{vocab_size}|{pretrain_bytes}|{skip_bytes}|{ft_bytes}|"
+                         f"{hashlib.sha256(json.dumps(tok.merges).encode()).hexdigest()}".encode()).hexdigest()[:16]
+    d = cache_dir() / f"ft-{key}"
+    if (d / "train.npy").exists() and (d / "val.npy").exists():
+        train_ids, val_ids = np.load(d / "train.npy"), np.load(d / "val.npy")
+    else:
+        train_text, val_text = finetune_texts(pretrain_bytes, skip_bytes, ft_bytes)
+        train_ids, val_ids = tok.encode(train_text), tok.encode(val_text)
+        _write_atomic(d, {"train.npy": lambda f: np.save(f, train_ids.astype(np.int32)),
+                          "val.npy": lambda f: np.save(f, val_ids.astype(np.int32))})
     return TokenDataset(train_ids, seq_len), TokenDataset(val_ids, seq_len), tok
