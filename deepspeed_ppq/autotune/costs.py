@@ -68,7 +68,8 @@ class LayerProfile:
         name: the layer's name (e.g. ``"BlockPipe"`` or ``"3"``).
         kind: ``"embed"``, ``"block"``, ``"head"`` or ``"other"``.
         param_numels: sizes of its trainable parameter tensors.
-        quantizable_params: parameters the precision policy may store in low bit (Linear weights).
+        quantizable_params: trainable parameters the precision policy may store in low bit (Linear
+            weights; a weight the model froze goes low-bit too, but keeps no master and no gradient).
         allowed_formats: formats the policy allows for this layer; ``"none"`` is always allowed.
         times: format -> micro-batch size -> ``[forward, backward_input, backward_weight]`` seconds.
         weight_bytes: format -> storage bytes of the layer's parameters and buffers.

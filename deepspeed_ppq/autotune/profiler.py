@@ -81,7 +81,7 @@ def _decisions(layers, kinds, weights_cfg, fmt: str) -> dict[str, str]:
 def _convert(
     layer: nn.Module, index: int, decisions: dict[str, str], weights_cfg
 ) -> tuple[nn.Module, int, float]:
-    """A converted copy of ``layer``: (copy, quantized parameters, relative weight error)."""
+    """A converted copy of ``layer``: (copy, quantized trainable parameters, relative weight error)."""
     from deepspeed_ppq.quant import QuantLinear
 
     layer = copy.deepcopy(layer)
@@ -96,7 +96,8 @@ def _convert(
         w = mod.weight.detach().float()
         err2 += float((q.dequantized_weight() - w).pow(2).sum())
         norm2 += float(w.pow(2).sum())
-        nq += w.numel()
+        if mod.weight.requires_grad:  # a weight the model froze has no master to keep
+            nq += w.numel()
         parent, _, child = sub.rpartition(".")
         setattr(layer.get_submodule(parent) if parent else layer, child, q)
     return layer, nq, (err2 / norm2) ** 0.5 if norm2 > 0 else 0.0

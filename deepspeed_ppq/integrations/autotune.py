@@ -221,8 +221,10 @@ class DeepSpeedRunner:
             print(f"[ppq tune] {message}", flush=True)
 
     def stock_partitions(self, pipeline_degree: int) -> dict[str, list[int]]:
-        """DeepSpeed's own ``uniform``, ``parameters`` and ``type:<block class>`` cuts."""
-        counts = [sum(q.numel() for q in m.parameters()) for m in _build_all(self.specs, device="meta")]
+        """DeepSpeed's own ``uniform``, ``parameters`` (trainable parameters, as DeepSpeed counts them)
+        and ``type:<block class>`` cuts."""
+        counts = [sum(q.numel() for q in m.parameters() if q.requires_grad)
+                  for m in _build_all(self.specs, device="meta")]
         block = _name(self.specs[self.block_layers[0]]).split("[")[0] if self.block_layers else None
         return deepspeed_partitions(counts, pipeline_degree, self.block_layers, block)
 

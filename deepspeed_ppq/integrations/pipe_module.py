@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from deepspeed.pipe import PipelineModule
 
 from deepspeed_ppq.config import PPQConfig, PPQConfigError, WeightsConfig, load_ppq_config
@@ -74,6 +75,23 @@ def _example(num_layers: int, num_stages: int) -> list[int]:
     return [round(i * num_layers / num_stages) for i in range(num_stages + 1)]
 
 
+def _inputs_needing_grad(checkpoint_func):
+    """DeepSpeed's activation checkpoint is reentrant: a segment none of whose inputs needs a gradient
+    (the blocks behind a frozen embedding, in a LoRA fine-tune) returns outputs that need none either,
+    and the trainable parameters inside it silently get no gradient. Floating-point inputs are made to
+    need one (as PEFT's ``enable_input_require_grads`` does); their gradient is computed and dropped."""
+    if getattr(checkpoint_func, "ppq_inputs_need_grad", False):
+        return checkpoint_func
+
+    def run(function, *args):
+        args = tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                     and not a.requires_grad else a for a in args)
+        return checkpoint_func(function, *args)
+
+    run.ppq_inputs_need_grad = True
+    return run
+
+
 class PPQPipelineModule(PipelineModule):
     """``PipelineModule`` with ``partition_method="explicit"`` and ``boundaries=[0, b1, ..., L]``.
 
@@ -106,6 +124,7 @@ class PPQPipelineModule(PipelineModule):
             )
         self._ppq_boundaries = None if boundaries is None else list(boundaries)
         super().__init__(layers, num_stages=num_stages, partition_method=partition_method, **kwargs)
+        self.activation_checkpoint_func = _inputs_needing_grad(self.activation_checkpoint_func)
         self.block_layers = list(block_layers) if block_layers is not None else infer_block_layers(
             self._layer_specs)
         self.ppq_weights = weights
