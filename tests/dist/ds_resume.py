@@ -73,11 +73,25 @@ def run_case(case: dict, work: str) -> dict:
             "state_files": len(files), "weights_only": loadable}
 
 
+# The checkpoint in tests/golden/resume_v1: written by this script's ``save-golden`` mode with the resume
+# file at format 1 (see tests/golden/README.md); a later format must keep loading it bit for bit.
+GOLDEN_PPQ = {"activations": {"method": "quant", "bits": 4},
+              "gradients": {"method": "quant", "bits": 8, "error_feedback": "ef"},
+              "aqsgd": {"enabled": True, "warmup_steps": 1}}
+GOLDEN_STEPS = 3
+
+
 def main() -> None:
-    with open(sys.argv[1]) as f:
-        cases = json.load(f)
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(1)
+    if sys.argv[1] == "save-golden":
+        engine = build(GOLDEN_PPQ)
+        train(engine, range(GOLDEN_STEPS))
+        engine.save_checkpoint(sys.argv[2], tag="golden")
+        write_result({"saved": sys.argv[2]})
+        return
+    with open(sys.argv[1]) as f:
+        cases = json.load(f)
     write_result({c["name"]: run_case(c, sys.argv[2]) for c in cases})
 
 
