@@ -14,8 +14,8 @@
 //   stores; the block index is i / B. Outputs fp32 or bf16 (round to nearest even, as torch).
 // * Plain CUDA C++ (raw pointers and a stream, no torch headers) so nvcc compiles it on CPU-only CI;
 //   csrc/cuda/weights_binding.cpp validates tensors and calls these entry points.
-// * bf16 helpers, loads, the block max and the stored scale come from common.cuh (shared with
-//   weights_sr.cu); the fp8 bit conversions repeat the CPU file's (csrc/cpu/fp8.h) in device code.
+// * bf16 helpers, loads, the block max, the stored scale and the fp8 bit conversions (the CPU file's
+//   csrc/cpu/fp8.h in device code) come from common.cuh, shared with the other CUDA kernels.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -39,52 +39,13 @@ using common::bf16_to_f32;
 using common::f32_to_bf16;
 using common::load;
 using common::block_max;
+using common::e4m3_to_f32;
+using common::e5m2_to_f32;
+using common::f32_to_e4m3;
+using common::f32_to_e5m2;
 
 __device__ __forceinline__ float qmax(int f) {
   return f == kInt8 ? 127.0f : f == kInt4 ? 7.0f : f == kNF4 ? 1.0f : f == kE4M3 ? 448.0f : 57344.0f;
-}
-__device__ __forceinline__ uint8_t f32_to_e4m3(float f) {
-  uint32_t u = __float_as_uint(f);
-  uint32_t sign = u & 0x80000000u;
-  u ^= sign;
-  uint32_t r;
-  if (u > 0x7f800000u) {
-    r = 0x7f;
-  } else if (u < (121u << 23)) {
-    constexpr uint32_t dm = 141u << 23;
-    r = __float_as_uint(__fadd_rn(__uint_as_float(u), __uint_as_float(dm))) - dm;
-  } else {
-    r = (u + ((uint32_t)(7 - 127) << 23) + 0x7ffffu + ((u >> 20) & 1u)) >> 20;
-    if (r == 0x7f) r = 0x7e;
-  }
-  return uint8_t(r | (sign >> 24));
-}
-__device__ __forceinline__ uint8_t f32_to_e5m2(float f) {
-  uint32_t u = __float_as_uint(f);
-  uint32_t sign = u & 0x80000000u;
-  u ^= sign;
-  uint32_t r;
-  if (u > 0x7f800000u) {
-    r = 0x7f;
-  } else if (u < (113u << 23)) {
-    constexpr uint32_t dm = 134u << 23;
-    r = __float_as_uint(__fadd_rn(__uint_as_float(u), __uint_as_float(dm))) - dm;
-  } else {
-    r = (u + ((uint32_t)(15 - 127) << 23) + 0xfffffu + ((u >> 21) & 1u)) >> 21;
-  }
-  return uint8_t(r | (sign >> 24));
-}
-__device__ __forceinline__ float e4m3_to_f32(uint8_t c) {
-  uint32_t u = c & 0x7fu;
-  float mag = u >= 8u ? __uint_as_float((u << 20) + (120u << 23)) : __fmul_rn(float(u), 0x1p-9f);
-  if (u == 0x7fu) mag = __uint_as_float(0x7fc00000u);
-  return __uint_as_float(__float_as_uint(mag) | (uint32_t(c & 0x80u) << 24));
-}
-__device__ __forceinline__ float e5m2_to_f32(uint8_t c) {
-  uint32_t u = c & 0x7fu;
-  float mag = u >= 4u ? __uint_as_float((u << 21) + (112u << 23)) : __fmul_rn(float(u), 0x1p-16f);
-  if (u >= 0x7cu) mag = __uint_as_float(u == 0x7cu ? 0x7f800000u : 0x7fc00000u);
-  return __uint_as_float(__float_as_uint(mag) | (uint32_t(c & 0x80u) << 24));
 }
 __device__ __forceinline__ float clampf(float y, float q) { return y < -q ? -q : (y > q ? q : y); }
 
