@@ -1,66 +1,98 @@
-// Torch binding of csrc/cuda/codecs.cu: ppq::quant_encode / ppq::quant_decode on CUDA tensors.
-// Built only where PyTorch has CUDA (setup.py). bf16/fp16 inputs are widened to fp32 first (the kernels
-// are fp32); FP8 and TopK keep the plain-PyTorch reference on CUDA for now.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+// Torch binding of csrc/cuda/codecs.cu: ppq::quant_encode / quant_decode / fp8_encode / fp8_decode on CUDA
+// tensors (fp32, bf16 or fp16 activations, read and written in their own dtype).
+// Built only where PyTorch has CUDA (setup.py). Checks mirror csrc/cpu/codecs.cpp's; each names the
+// argument, the value and what is allowed.
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cstdint>
 
-namespace ppq_cuda {
-cudaError_t quant_encode_f32(const float* x, int64_t R, int64_t d, int64_t group, int bits, float* mins,
-                             float* scales, float* invs, float* pres, uint8_t* codes, int* bad,
-                             cudaStream_t stream);
-cudaError_t quant_decode_f32(const uint8_t* codes, const float* mins, const float* scales, int64_t R, int64_t d,
-                             int64_t group, int bits, float* out, cudaStream_t stream);
-}  // namespace ppq_cuda
+#include "binding.h"
 
 namespace {
 
-int64_t packed_nbytes(int64_t n, int64_t bits) { return (n * bits + 7) / 8; }
+using namespace ppq_cuda::binding;
 
-void check_buf(const at::Tensor& t, at::ScalarType dt, int64_t n, const char* name) {
-  TORCH_CHECK(t.is_cuda() && t.scalar_type() == dt && t.is_contiguous() && t.numel() == n, name,
-              " must be a contiguous CUDA ", dt, " tensor of ", n, " elements, got ", t.scalar_type(), " ",
-              t.sizes());
+int64_t packed_nbytes(int64_t n, int64_t bits) { return (n * bits + 7) / 8; }
+int64_t ngroups(int64_t R, int64_t d, int64_t group) { return R * ((d + group - 1) / group); }
+
+void check_bits(int64_t bits) {
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 6 || bits == 8, "bits must be 2, 4, 6 or 8, got ", bits);
 }
+void check_group(int64_t group) { TORCH_CHECK(group >= 1, "group must be >= 1, got ", group); }
+void check_fmt(int64_t fmt) { TORCH_CHECK(fmt == 0 || fmt == 1, "fmt must be 0 (e4m3) or 1 (e5m2), got ", fmt); }
 
 void quant_encode_cuda(const at::Tensor& x, int64_t group, int64_t bits, at::Tensor mins, at::Tensor scales,
                        at::Tensor codes, at::Tensor status) {
-  TORCH_CHECK(bits == 2 || bits == 4 || bits == 6 || bits == 8, "bits must be 2, 4, 6 or 8, got ", bits);
-  TORCH_CHECK(x.is_cuda() && x.dim() == 2, "x must be a 2-D CUDA tensor [R, d], got ", x.sizes());
-  TORCH_CHECK(group >= 1, "group must be >= 1, got ", group);
-  const int64_t R = x.size(0), d = x.size(1), G = R * ((d + group - 1) / group);
-  check_buf(mins, at::kFloat, G, "mins");
-  check_buf(scales, at::kFloat, G, "scales");
-  check_buf(codes, at::kByte, packed_nbytes(R * d, bits), "codes");
-  check_buf(status, at::kByte, 1, "status");
-  at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor scratch = at::empty({2 * G}, xf.options());
-  at::Tensor bad = at::empty({1}, xf.options().dtype(at::kInt));
-  auto err = ppq_cuda::quant_encode_f32(xf.data_ptr<float>(), R, d, group, int(bits), mins.data_ptr<float>(),
-                                        scales.data_ptr<float>(), scratch.data_ptr<float>(),
-                                        scratch.data_ptr<float>() + G, codes.data_ptr<uint8_t>(),
-                                        bad.data_ptr<int>(), at::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "quant_encode CUDA kernel failed: ", cudaGetErrorString(err));
-  status.copy_(bad.to(at::kByte));
+  check_bits(bits);
+  check_group(group);
+  const c10::Device dev = x.device();
+  check_cuda(x, "x", dev);
+  check_2d(x, "x", "[R, d]");
+  const int dt = float_code(x, "x");
+  const int64_t R = x.size(0), d = x.size(1), G = ngroups(R, d, group);
+  check_buffer(mins, "mins", at::kFloat, G, dev);
+  check_buffer(scales, "scales", at::kFloat, G, dev);
+  check_buffer(codes, "codes", at::kByte, packed_nbytes(R * d, bits), dev);
+  check_buffer(status, "status", at::kByte, 1, dev);
+  const c10::cuda::CUDAGuard guard(dev);
+  at::Tensor scratch = at::empty({2 * G}, mins.options());  // per-group 1/range and prescale (unfused path)
+  check_launch(ppq_cuda::quant_encode(x.data_ptr(), dt, R, d, group, int(bits), mins.data_ptr<float>(),
+                                      scales.data_ptr<float>(), scratch.data_ptr<float>(), codes.data_ptr<uint8_t>(),
+                                      status.data_ptr<uint8_t>(), stream(dev)),
+               "quant_encode");
 }
 
 void quant_decode_cuda(const at::Tensor& codes, const at::Tensor& mins, const at::Tensor& scales, int64_t group,
                        int64_t bits, at::Tensor out) {
-  TORCH_CHECK(bits == 2 || bits == 4 || bits == 6 || bits == 8, "bits must be 2, 4, 6 or 8, got ", bits);
-  TORCH_CHECK(out.is_cuda() && out.dim() == 2 && out.is_contiguous(), "out must be a contiguous 2-D CUDA tensor");
-  TORCH_CHECK(group >= 1, "group must be >= 1, got ", group);
-  const int64_t R = out.size(0), d = out.size(1), G = R * ((d + group - 1) / group);
-  check_buf(mins, at::kFloat, G, "mins");
-  check_buf(scales, at::kFloat, G, "scales");
-  check_buf(codes, at::kByte, packed_nbytes(R * d, bits), "codes");
-  at::Tensor of = out.scalar_type() == at::kFloat ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
-  auto err = ppq_cuda::quant_decode_f32(codes.data_ptr<uint8_t>(), mins.data_ptr<float>(), scales.data_ptr<float>(),
-                                        R, d, group, int(bits), of.data_ptr<float>(),
-                                        at::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "quant_decode CUDA kernel failed: ", cudaGetErrorString(err));
-  if (!of.is_same(out)) out.copy_(of);
+  check_bits(bits);
+  check_group(group);
+  const c10::Device dev = out.device();
+  check_cuda(out, "out", dev);
+  check_2d(out, "out", "[R, d]");
+  const int dt = float_code(out, "out");
+  const int64_t R = out.size(0), d = out.size(1), G = ngroups(R, d, group);
+  check_buffer(mins, "mins", at::kFloat, G, dev);
+  check_buffer(scales, "scales", at::kFloat, G, dev);
+  check_buffer(codes, "codes", at::kByte, packed_nbytes(R * d, bits), dev);
+  const c10::cuda::CUDAGuard guard(dev);
+  check_launch(ppq_cuda::quant_decode(codes.data_ptr<uint8_t>(), mins.data_ptr<float>(), scales.data_ptr<float>(), R,
+                                      d, group, int(bits), out.data_ptr(), dt, stream(dev)),
+               "quant_decode");
+}
+
+void fp8_encode_cuda(const at::Tensor& x, int64_t group, int64_t fmt, at::Tensor scales, at::Tensor codes,
+                     at::Tensor status) {
+  check_fmt(fmt);
+  check_group(group);
+  const c10::Device dev = x.device();
+  check_cuda(x, "x", dev);
+  check_2d(x, "x", "[R, d]");
+  const int dt = float_code(x, "x");
+  const int64_t R = x.size(0), d = x.size(1);
+  check_buffer(scales, "scales", at::kFloat, ngroups(R, d, group), dev);
+  check_buffer(codes, "codes", at::kByte, R * d, dev);
+  check_buffer(status, "status", at::kByte, 1, dev);
+  const c10::cuda::CUDAGuard guard(dev);
+  check_launch(ppq_cuda::fp8_encode(x.data_ptr(), dt, R, d, group, int(fmt), scales.data_ptr<float>(),
+                                    codes.data_ptr<uint8_t>(), status.data_ptr<uint8_t>(), stream(dev)),
+               "fp8_encode");
+}
+
+void fp8_decode_cuda(const at::Tensor& codes, const at::Tensor& scales, int64_t group, int64_t fmt, at::Tensor out) {
+  check_fmt(fmt);
+  check_group(group);
+  const c10::Device dev = out.device();
+  check_cuda(out, "out", dev);
+  check_2d(out, "out", "[R, d]");
+  const int dt = float_code(out, "out");
+  const int64_t R = out.size(0), d = out.size(1);
+  check_buffer(scales, "scales", at::kFloat, ngroups(R, d, group), dev);
+  check_buffer(codes, "codes", at::kByte, R * d, dev);
+  const c10::cuda::CUDAGuard guard(dev);
+  check_launch(ppq_cuda::fp8_decode(codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), R, d, group, int(fmt),
+                                    out.data_ptr(), dt, stream(dev)),
+               "fp8_decode");
 }
 
 }  // namespace
@@ -68,4 +100,6 @@ void quant_decode_cuda(const at::Tensor& codes, const at::Tensor& mins, const at
 TORCH_LIBRARY_IMPL(ppq, CUDA, m) {
   m.impl("quant_encode", &quant_encode_cuda);
   m.impl("quant_decode", &quant_decode_cuda);
+  m.impl("fp8_encode", &fp8_encode_cuda);
+  m.impl("fp8_decode", &fp8_decode_cuda);
 }
