@@ -7,21 +7,25 @@ A checkpoint written by one is read by the other. bitsandbytes' CPU backend runs
 whole-tensor PyTorch ops plus a binary-search quantizer (~20 ns per parameter here, ~40x a fused fp32
 Adam); ``csrc/cpu/adam8bit.cpp`` does one pass per block.
 
-The math (fp32; ``g`` is the gradient, ``t`` the step, per block ``a1``/``a2`` the stored absmax):
+The math (fp32; ``g`` is the gradient, ``t`` the step, per block ``a1``/``a2`` the stored absmax;
+``c1 = 1 - beta1^t`` and ``c2 = sqrt(1 - beta2^t)`` in float64, rounded to fp32 where they meet a tensor):
 
     m = qmap1[state1] * a1;  v = qmap2[state2] * a2;  g = g * gnorm_scale
     m = m * beta1 + g * (1 - beta1);  v = v * beta2 + g * g * (1 - beta2)
     p = p * (1 - lr * weight_decay)                          (only when weight_decay > 0: decoupled)
-    p = p + (-lr / (1 - beta1^t)) * (m / (sqrt(v) / sqrt(1 - beta2^t) + eps))
+    p = p + (-lr * c2 / c1) * (m / (sqrt(v) + eps * c2))
     a1 = max |m| over the block;  a2 = max v over the block
-    state1 = nearest code of m / a1 in qmap1;  state2 = nearest code of v / a2 in qmap2
+    state1 = nearest code of m * (1 / a1) in qmap1;  state2 = nearest code of v * (1 / a2) in qmap2
 
+The update is bitsandbytes' CUDA form (the bias corrections folded into the step size and eps: one
+division per value; its CPU backend divides ``sqrt(v)`` by ``c2`` first, which differs in the last
+bit), and the states are normalised by the block's reciprocal, as its CUDA kernel does.
 "Nearest" is the number of code midpoints ``(qmap[i] + qmap[i + 1]) / 2`` (in fp32) below the value, so
 a tie goes to the lower code; an all-zero block divides by 1. Against bitsandbytes' own CPU kernel the
 parameters agree to ~1e-5 of a step and a few percent of the codes differ, by one step of the map
 where a value lies within rounding of a midpoint (near zero, where the steps are ~1e-6 of the absmax,
 by up to three) (``tests/test_adam8bit.py``). The C++ kernel follows the reference's operations in the
-same order; the two agree to the last bits (torch's division by a scalar may round differently).
+same order (the square root correctly rounded: ``_sqrt``): the two agree bit for bit.
 
 ``optimizer_class("adam8bit" | "adamw8bit")`` gives bitsandbytes' optimizers (same state, ``state_dict``
 and hyper-parameters) whose CPU step runs this op; other devices keep bitsandbytes' kernels.
@@ -39,6 +43,14 @@ from deepspeed_ppq.ops import define_op
 __all__ = ["BLOCK", "adam8bit_step", "optimizer_class"]
 
 BLOCK = 256  # values per absmax, as bitsandbytes' blockwise optimizers
+
+
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """fp32 square root rounded correctly: taken in fp64 and rounded once. torch's own fp32 ``sqrt`` on
+    CPU is off by one ulp for ~20% of inputs (a vector-math library, not the IEEE instruction the
+    kernels use); an fp64 root within 0.51 ulp rounds to the correct fp32 one, since the exact root of
+    an fp32 value lies at least 2^-52 (relative) away from every midpoint between fp32 values."""
+    return x.double().sqrt().to(x.dtype)
 
 
 def _nearest(y: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
@@ -63,14 +75,14 @@ def _step_ref(p, g, state1, state2, absmax1, absmax2, qmap1, qmap2, beta1, beta2
     w = blocks(p)
     if weight_decay > 0.0:
         w = w * (1.0 - lr * weight_decay)
-    denom = v.sqrt() / math.sqrt(1.0 - beta2**step) + eps
-    w = w + (-lr / (1.0 - beta1**step)) * (m / denom)
+    c1, c2 = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
+    w = w + (-lr * c2 / c1) * (m / (_sqrt(v) + eps * c2))
     if pad:  # the padding must not count towards the last block's absmax
         valid = torch.arange(nb * BLOCK, device=p.device).view(nb, BLOCK) < n
         m, v = m.masked_fill(~valid, 0.0), v.masked_fill(~valid, 0.0)
     a1, a2 = m.abs().amax(dim=1), v.amax(dim=1)
-    q1 = _nearest(m / torch.where(a1 > 0, a1, 1.0).view(-1, 1), qmap1)
-    q2 = _nearest(v / torch.where(a2 > 0, a2, 1.0).view(-1, 1), qmap2)
+    q1 = _nearest(m * (1.0 / torch.where(a1 > 0, a1, 1.0)).view(-1, 1), qmap1)
+    q2 = _nearest(v * (1.0 / torch.where(a2 > 0, a2, 1.0)).view(-1, 1), qmap2)
     p.copy_(w.reshape(-1)[:n].view_as(p))
     state1.copy_(q1.reshape(-1)[:n].view_as(state1))
     state2.copy_(q2.reshape(-1)[:n].view_as(state2))

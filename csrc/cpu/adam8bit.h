@@ -1,0 +1,281 @@
+// One block of the blockwise 8-bit Adam step (bitsandbytes' state layout), shared by adam8bit.cpp (the
+// optimizer op) and master_free.cpp (the fused master-free update). The design note is adam8bit.cpp's.
+//
+// Header-only and inline, compiled into each CPU variant with that variant's flags (isa.h picks the
+// path); the code maps' tables are cached per shared object.
+#pragma once
+
+#include "avx2.h"
+#include "isa.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+#if PPQ_ISA_AVX512 || PPQ_ISA_AVX2
+#include <immintrin.h>
+#endif
+
+namespace ppq::adam8 {
+
+constexpr int64_t kBlock = 256;  // bitsandbytes' blockwise optimizer block
+
+// A code map with its nearest-code table (see adam8bit.cpp's design note).
+struct Map {
+  float value[256];
+  float mid[256];  // mid[i] = (value[i] + value[i + 1]) / 2, mid[255] = +inf
+  // Cells: index = sign * kCells + clamp(|bits| >> 16, kKey0, kKey1) - kKey0.
+  static constexpr uint32_t kKey0 = 0x33800000u >> 16, kKey1 = 0x3f800000u >> 16;  // 2^-24 and 1.0
+  static constexpr int kCells = int(kKey1 - kKey0) + 1;
+  // Per cell: (midpoints below the cell) << 16 | low, with low = 0xffff - (low 16 bits of the midpoint
+  // inside a positive cell), or the low 16 bits of the one inside a negative cell; 0 if none. The code
+  // of y is then (entry + w) >> 16, w = the low 16 bits of y (of ~y for negative y): the carry is the
+  // comparison with the midpoint.
+  std::vector<uint32_t> entry;
+  bool lut = true;  // false: some cell holds two midpoints (or the clamped cells one); encode() bisects
+};
+
+inline std::unique_ptr<Map> build_map(const float* v) {
+  auto m = std::make_unique<Map>();
+  for (int i = 0; i < 256; ++i) m->value[i] = v[i];
+  for (int i = 0; i < 255; ++i) m->mid[i] = (v[i] + v[i + 1]) / 2.0f;
+  m->mid[255] = INFINITY;
+  m->entry.assign(2 * Map::kCells, 0);
+  for (int i = 0; i < 255; ++i) {  // the table's cells cover |y| < 1.0078; the midpoints must lie inside
+    if (!(std::fabs(m->mid[i]) < 1.0f)) m->lut = false;
+  }
+  for (int c = 0; c < Map::kCells; ++c) {
+    const uint32_t k = Map::kKey0 + uint32_t(c);
+    const float lo = c == 0 ? 0.0f : std::bit_cast<float>(k << 16), hi = std::bit_cast<float>((k + 1) << 16);
+    uint32_t below_pos = 0, below_neg = 0, low_pos = 0, low_neg = 0;
+    int in_pos = 0, in_neg = 0;
+    for (int i = 0; i < 255; ++i) {
+      const float x = m->mid[i];
+      const uint32_t x16 = std::bit_cast<uint32_t>(x) & 0xffffu;
+      below_pos += x < lo;    // positive cell [lo, hi)
+      below_neg += x <= -hi;  // negative cell (-hi, -lo]
+      if (x >= lo && x < hi) low_pos = 0xffffu - x16, ++in_pos;
+      if (x > -hi && x <= -lo) low_neg = x16, ++in_neg;
+    }
+    m->entry[c] = below_pos << 16 | low_pos;
+    m->entry[Map::kCells + c] = below_neg << 16 | low_neg;
+    // cell 0 also takes every |y| < 2^-24, whose low bits say nothing: it must hold no midpoint
+    if (in_pos > 1 || in_neg > 1 || (c == 0 && (in_pos || in_neg))) m->lut = false;
+  }
+  return m;
+}
+
+// The map for these 256 values, built once: optimizers call with the same two maps every step.
+inline const Map& get_map(const float* v) {
+  static std::mutex mu;
+  static std::vector<std::unique_ptr<Map>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& m : cache) {
+    if (std::memcmp(m->value, v, sizeof(m->value)) == 0) return *m;
+  }
+  if (cache.size() >= 8) cache.erase(cache.begin());
+  cache.push_back(build_map(v));
+  return *cache.back();
+}
+
+inline uint32_t cell(uint32_t u) {
+  const uint32_t k = std::min(std::max((u & 0x7fffffffu) >> 16, Map::kKey0), Map::kKey1) - Map::kKey0;
+  return k + (u >> 31 ? uint32_t(Map::kCells) : 0u);
+}
+
+// Index of the nearest code: the number of midpoints below y (y == a midpoint: the lower code).
+inline uint8_t encode(const Map& m, float y) {
+  if (m.lut) {
+    const uint32_t u = std::bit_cast<uint32_t>(y);
+    const uint32_t w = (u ^ uint32_t(int32_t(u) >> 31)) & 0xffffu;
+    return uint8_t((m.entry[cell(u)] + w) >> 16);
+  }
+  int k = 0;
+  for (int step = 128; step >= 1; step >>= 1) k += step & -int(m.mid[k + step - 1] < y);
+  return uint8_t(k);
+}
+
+// The step's scalars, as the reference's fp32 tensor ops see them.
+struct Hyper {
+  float b1, b2, ob1, ob2;  // beta1, beta2, 1 - beta1, 1 - beta2
+  float eps2;              // eps * sqrt(1 - beta2^t)
+  float step_size;         // -lr * sqrt(1 - beta2^t) / (1 - beta1^t)
+  float gs, decay;         // gnorm_scale, 1 - lr * weight_decay
+  bool wd, scale_g;        // weight_decay > 0, gnorm_scale != 1
+};
+
+inline Hyper make_hyper(double beta1, double beta2, double eps, int64_t step, double lr, double weight_decay,
+                        double gnorm_scale) {
+  const double c1 = 1.0 - std::pow(beta1, double(step)), c2 = std::sqrt(1.0 - std::pow(beta2, double(step)));
+  Hyper h;
+  h.b1 = float(beta1), h.b2 = float(beta2), h.ob1 = float(1.0 - beta1), h.ob2 = float(1.0 - beta2);
+  h.eps2 = float(eps * c2);
+  h.step_size = float((-lr * c2) / c1);
+  h.gs = float(gnorm_scale), h.decay = float(1.0 - lr * weight_decay);
+  h.wd = weight_decay > 0.0, h.scale_g = h.gs != 1.0f;
+  return h;
+}
+
+#if PPQ_ISA_AVX512
+// encode() for 16 values (lut maps only), the codes in the low byte of each 32-bit lane.
+PPQ_ALWAYS_INLINE inline __m512i encode16(const Map& m, __m512 y) {
+  const __m512i u = _mm512_castps_si512(y);
+  __m512i k = _mm512_srli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), 16);
+  k = _mm512_min_epu32(_mm512_max_epu32(k, _mm512_set1_epi32(Map::kKey0)), _mm512_set1_epi32(Map::kKey1));
+  k = _mm512_sub_epi32(k, _mm512_set1_epi32(Map::kKey0));
+  const __m512i sign = _mm512_srai_epi32(u, 31);
+  k = _mm512_add_epi32(k, _mm512_and_si512(sign, _mm512_set1_epi32(Map::kCells)));
+  const __m512i e = _mm512_i32gather_epi32(k, m.entry.data(), 4);
+  const __m512i w = _mm512_and_si512(_mm512_xor_si512(u, sign), _mm512_set1_epi32(0xffff));
+  return _mm512_srli_epi32(_mm512_add_epi32(e, w), 16);
+}
+#endif
+
+#if PPQ_ISA_AVX2
+// encode16 on 8 lanes: one gather of the cell entries, the comparison by the carry.
+PPQ_ALWAYS_INLINE inline __m256i encode8(const Map& m, __m256 y) {
+  const __m256i u = _mm256_castps_si256(y);
+  __m256i k = _mm256_srli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), 16);
+  k = _mm256_min_epu32(_mm256_max_epu32(k, _mm256_set1_epi32(Map::kKey0)), _mm256_set1_epi32(Map::kKey1));
+  k = _mm256_sub_epi32(k, _mm256_set1_epi32(Map::kKey0));
+  const __m256i sign = _mm256_srai_epi32(u, 31);
+  k = _mm256_add_epi32(k, _mm256_and_si256(sign, _mm256_set1_epi32(Map::kCells)));
+  const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(m.entry.data()), k, 4);
+  const __m256i w = _mm256_and_si256(_mm256_xor_si256(u, sign), _mm256_set1_epi32(0xffff));
+  return _mm256_srli_epi32(_mm256_add_epi32(e, w), 16);
+}
+
+// The values of 8 codes (bytes at c): eight scalar loads. On Zen 3 an 8-lane vgatherdps from the 1 KiB
+// map costs more than the loads and inserts (2.6 against 2.3 ns per parameter for the whole step).
+PPQ_ALWAYS_INLINE inline __m256 decode8(const float* t, const uint8_t* c) {
+  uint64_t b;
+  std::memcpy(&b, c, 8);
+  return _mm256_setr_ps(t[b & 255], t[(b >> 8) & 255], t[(b >> 16) & 255], t[(b >> 24) & 255],
+                        t[(b >> 32) & 255], t[(b >> 40) & 255], t[(b >> 48) & 255], t[b >> 56]);
+}
+#endif
+
+// One block of len <= kBlock values: p, g, q1, q2 point at the block's first value, a1/a2 at its
+// absmax. Decode, Adam update, new absmax, encode (the reference's operations in its order).
+inline void block_step(const Hyper& h, const Map& m1, const Map& m2, float* __restrict pp,
+                       const float* __restrict gp, uint8_t* __restrict q1, uint8_t* __restrict q2, float* a1p,
+                       float* a2p, int64_t len) {
+  alignas(64) float s1[kBlock], s2[kBlock];
+  const float a1 = *a1p, a2 = *a2p;
+  float mx1 = 0.0f, mx2 = 0.0f;
+  int64_t j = 0;
+#if PPQ_ISA_AVX512
+  {  // the loop below, 16 values at a time (same operations, same order)
+    const __m512 vb1 = _mm512_set1_ps(h.b1), vb2 = _mm512_set1_ps(h.b2), vob1 = _mm512_set1_ps(h.ob1);
+    const __m512 vob2 = _mm512_set1_ps(h.ob2), veps = _mm512_set1_ps(h.eps2), vgs = _mm512_set1_ps(h.gs);
+    const __m512 vdecay = _mm512_set1_ps(h.decay), vstep = _mm512_set1_ps(h.step_size);
+    const __m512 va1 = _mm512_set1_ps(a1), va2 = _mm512_set1_ps(a2);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+    __m512 vmx1 = _mm512_setzero_ps(), vmx2 = _mm512_setzero_ps();
+    for (; j + 16 <= len; j += 16) {
+      __m512 gi = _mm512_loadu_ps(gp + j);
+      if (h.scale_g) gi = _mm512_mul_ps(gi, vgs);
+      const __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + j)));
+      const __m512i c2 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q2 + j)));
+      const __m512 d1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_i32gather_ps(c1, m1.value, 4), va1), vb1);
+      const __m512 d2 = _mm512_mul_ps(_mm512_mul_ps(_mm512_i32gather_ps(c2, m2.value, 4), va2), vb2);
+      const __m512 v1 = _mm512_add_ps(d1, _mm512_mul_ps(gi, vob1));
+      const __m512 v2 = _mm512_add_ps(d2, _mm512_mul_ps(_mm512_mul_ps(gi, gi), vob2));
+      _mm512_store_ps(s1 + j, v1);
+      _mm512_store_ps(s2 + j, v2);
+      vmx1 = _mm512_max_ps(vmx1, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v1), abs_mask)));
+      vmx2 = _mm512_max_ps(vmx2, v2);
+      __m512 w = _mm512_loadu_ps(pp + j);
+      if (h.wd) w = _mm512_mul_ps(w, vdecay);
+      const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(v2), veps);
+      _mm512_storeu_ps(pp + j, _mm512_add_ps(w, _mm512_mul_ps(vstep, _mm512_div_ps(v1, denom))));
+    }
+    mx1 = _mm512_reduce_max_ps(vmx1);
+    mx2 = _mm512_reduce_max_ps(vmx2);
+  }
+#elif PPQ_ISA_AVX2
+  {  // the loop below, 8 values at a time (same operations, same order)
+    const __m256 vb1 = _mm256_set1_ps(h.b1), vb2 = _mm256_set1_ps(h.b2), vob1 = _mm256_set1_ps(h.ob1);
+    const __m256 vob2 = _mm256_set1_ps(h.ob2), veps = _mm256_set1_ps(h.eps2), vgs = _mm256_set1_ps(h.gs);
+    const __m256 vdecay = _mm256_set1_ps(h.decay), vstep = _mm256_set1_ps(h.step_size);
+    const __m256 va1 = _mm256_set1_ps(a1), va2 = _mm256_set1_ps(a2);
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 vmx1 = _mm256_setzero_ps(), vmx2 = _mm256_setzero_ps();
+    for (; j + 8 <= len; j += 8) {
+      __m256 gi = _mm256_loadu_ps(gp + j);
+      if (h.scale_g) gi = _mm256_mul_ps(gi, vgs);
+      const __m256 d1 = _mm256_mul_ps(_mm256_mul_ps(decode8(m1.value, q1 + j), va1), vb1);
+      const __m256 d2 = _mm256_mul_ps(_mm256_mul_ps(decode8(m2.value, q2 + j), va2), vb2);
+      const __m256 v1 = _mm256_add_ps(d1, _mm256_mul_ps(gi, vob1));
+      const __m256 v2 = _mm256_add_ps(d2, _mm256_mul_ps(_mm256_mul_ps(gi, gi), vob2));
+      _mm256_store_ps(s1 + j, v1);
+      _mm256_store_ps(s2 + j, v2);
+      // max with the accumulator second: a NaN lane is skipped, as std::max(mx, NaN) in the scalar loop
+      vmx1 = _mm256_max_ps(_mm256_and_ps(v1, abs_mask), vmx1);
+      vmx2 = _mm256_max_ps(v2, vmx2);
+      __m256 w = _mm256_loadu_ps(pp + j);
+      if (h.wd) w = _mm256_mul_ps(w, vdecay);
+      const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(v2), veps);
+      _mm256_storeu_ps(pp + j, _mm256_add_ps(w, _mm256_mul_ps(vstep, _mm256_div_ps(v1, denom))));
+    }
+    alignas(32) float t1[8], t2[8];
+    _mm256_store_ps(t1, vmx1);
+    _mm256_store_ps(t2, vmx2);
+    for (int l = 0; l < 8; ++l) {
+      mx1 = std::max(mx1, t1[l]);
+      mx2 = std::max(mx2, t2[l]);
+    }
+  }
+#endif
+  for (int64_t i = j; i < len; ++i) {
+    const float gi = h.scale_g ? gp[i] * h.gs : gp[i];
+    const float v1 = m1.value[q1[i]] * a1 * h.b1 + gi * h.ob1;
+    const float v2 = m2.value[q2[i]] * a2 * h.b2 + gi * gi * h.ob2;
+    s1[i] = v1;
+    s2[i] = v2;
+    mx1 = std::max(mx1, std::fabs(v1));
+    mx2 = std::max(mx2, v2);
+    float w = pp[i];
+    if (h.wd) w = w * h.decay;
+    const float denom = std::sqrt(v2) + h.eps2;
+    pp[i] = w + h.step_size * (v1 / denom);
+  }
+  *a1p = mx1;
+  *a2p = mx2;
+  // all-zero block: codes of 0
+  const float r1 = 1.0f / (mx1 > 0.0f ? mx1 : 1.0f), r2 = 1.0f / (mx2 > 0.0f ? mx2 : 1.0f);
+  int64_t i = 0;
+#if PPQ_ISA_AVX512
+  if (m1.lut && m2.lut) {
+    const __m512 vr1 = _mm512_set1_ps(r1), vr2 = _mm512_set1_ps(r2);
+    for (; i + 16 <= len; i += 16) {
+      const __m512i c1 = encode16(m1, _mm512_mul_ps(_mm512_load_ps(s1 + i), vr1));
+      const __m512i c2 = encode16(m2, _mm512_mul_ps(_mm512_load_ps(s2 + i), vr2));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + i), _mm512_cvtepi32_epi8(c1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + i), _mm512_cvtepi32_epi8(c2));
+    }
+  }
+#elif PPQ_ISA_AVX2
+  if (m1.lut && m2.lut) {
+    const __m256 vr1 = _mm256_set1_ps(r1), vr2 = _mm256_set1_ps(r2);
+    for (; i + 16 <= len; i += 16) {
+      const __m256i a = encode8(m1, _mm256_mul_ps(_mm256_load_ps(s1 + i), vr1));
+      const __m256i b = encode8(m1, _mm256_mul_ps(_mm256_load_ps(s1 + i + 8), vr1));
+      const __m256i c = encode8(m2, _mm256_mul_ps(_mm256_load_ps(s2 + i), vr2));
+      const __m256i d = encode8(m2, _mm256_mul_ps(_mm256_load_ps(s2 + i + 8), vr2));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + i), ppq::avx2::bytes16(a, b));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + i), ppq::avx2::bytes16(c, d));
+    }
+  }
+#endif
+  for (; i < len; ++i) {
+    q1[i] = encode(m1, s1[i] * r1);
+    q2[i] = encode(m2, s2[i] * r2);
+  }
+}
+
+}  // namespace ppq::adam8
