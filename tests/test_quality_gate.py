@@ -143,22 +143,19 @@ class _Boundary(nn.Module):
     codes the activation when the codec says so (``compress_eval``: on at <= 4 bits)."""
 
     def __init__(self, act: dict, grad: dict):
-        from deepspeed_ppq.compress import BoundaryDecoder, BoundaryEncoder
-        from deepspeed_ppq.config import CodecConfig
+        from deepspeed_ppq.compress import BoundaryChannel
+        from deepspeed_ppq.config import load_ppq_config
 
         super().__init__()
-        a, g = CodecConfig(**act), CodecConfig(**grad)
-        self.train_sides = (BoundaryEncoder(a, name="act"), BoundaryDecoder(a, name="act"),
-                            BoundaryEncoder(g, name="grad", direction="gradients"),
-                            BoundaryDecoder(g, name="grad", direction="gradients"))
-        self.eval_sides = (BoundaryEncoder(a, name="act.eval"), BoundaryDecoder(a, name="act.eval"))
+        self.train_channel = BoundaryChannel(load_ppq_config({"activations": act, "gradients": grad}))
+        self.eval_channel = BoundaryChannel(load_ppq_config({"activations": act}))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from deepspeed_ppq.compress import compressed_boundary
 
         if self.training:
-            return compressed_boundary(x, *self.train_sides)
-        return compressed_boundary(x, *self.eval_sides, None, None, training=False)
+            return compressed_boundary(x, self.train_channel)
+        return compressed_boundary(x, self.eval_channel, training=False)
 
 
 def _train(data, seed: int, act: dict, grad: dict) -> tuple[float, int]:
@@ -191,7 +188,7 @@ def _train(data, seed: int, act: dict, grad: dict) -> tuple[float, int]:
     model.eval()
     with torch.no_grad():
         loss = gpt_loss(model(vx), vy).item()
-    return loss, sum(b.train_sides[2].wire_bytes for b in bounds)
+    return loss, sum(b.train_channel.stats["gradients"]["wire_bytes"] for b in bounds)
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from deepspeed_ppq.config import AQSGDConfig
+from deepspeed_ppq.config import AQSGDConfig, PPQConfigError
 
 __all__ = ["SampleBuffers"]
 
@@ -143,6 +143,41 @@ class SampleBuffers:
                 else:
                     self._mem[i] = t
         self._undo = None
+
+    def state_dict(self) -> dict:
+        """Plain tensors: ``sample_shape`` and ``aqsgd_rows`` (memory storage: the rows of the ids in
+        ``aqsgd_ids``, in order; disk storage: every row of the file); empty while no sample is stored."""
+        if self.sample_shape is None or (self.cfg.storage == "memory" and not self._mem):
+            return {}
+        out = {"sample_shape": torch.tensor(self.sample_shape, dtype=torch.int64)}
+        if self.cfg.storage == "disk":
+            out["aqsgd_rows"] = torch.from_numpy(np.array(self._memmap()))
+            return out
+        ids = sorted(self._mem)
+        out["aqsgd_ids"] = torch.tensor(ids, dtype=torch.int64)
+        out["aqsgd_rows"] = torch.stack([self._mem[i].cpu() for i in ids])
+        return out
+
+    def load_state_dict(self, state: dict, device: torch.device | str = "cpu") -> None:
+        """Restore what ``state_dict`` gave (disk storage writes the rows into this run's file).
+
+        Raises:
+            PPQConfigError: the rows do not fit this run's file (``aqsgd.num_samples`` changed).
+        """
+        if "sample_shape" not in state:
+            return
+        self.sample_shape = tuple(int(v) for v in state["sample_shape"].tolist())
+        rows = state["aqsgd_rows"]
+        if self.cfg.storage == "disk":
+            m = self._memmap()
+            if tuple(m.shape) != tuple(rows.shape):
+                raise PPQConfigError(f"{self.name}: the checkpoint's AQ-SGD buffers have shape "
+                                     f"{tuple(rows.shape)}, this run's file {self.file} has {tuple(m.shape)} "
+                                     "(aqsgd.num_samples changed?)")
+            m[:] = rows.numpy()
+            m.flush()
+            return
+        self._mem = {int(i): rows[j].to(device) for j, i in enumerate(state["aqsgd_ids"].tolist())}
 
     def __len__(self) -> int:
         return len(self._mem) if self.cfg.storage == "memory" else (self.cfg.num_samples or 0)

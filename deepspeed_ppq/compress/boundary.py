@@ -1,9 +1,9 @@
-"""Both sides of one compressed (boundary, direction), with their state, and a single-process reference.
+"""Both sides of one compressed (boundary, direction), with their state.
 
 ``BoundaryEncoder`` lives on the sending stage, ``BoundaryDecoder`` on the receiving stage; each owns
-its half of the state (EF buffer; EF21 ``g``; AQ-SGD per-sample buffers). ``compressed_boundary`` chains
-the four of a boundary in one process: the distributed engines must produce the same numbers as a model
-with it inserted at every stage boundary.
+its half of the state (EF buffer; EF21 ``g``; AQ-SGD per-sample buffers). A ``BoundaryChannel``
+(``channel.py``) holds the ones of a boundary, decides their ``training``/``uncompressed`` arguments and
+keeps the counters; use these two directly only for a single codec outside a pipeline (say, to time it).
 
 When a message is compressed:
   * training: always (unless ``uncompressed=True``: the engine's warm-up steps);
@@ -15,13 +15,14 @@ TopK index reuse: an activation encoder keeps the indices it chose in ``last_ind
 exposes the indices it decoded in ``last_indices``. A gradient encoder/decoder built with
 ``direction="gradients"`` and ``cfg.reuse_indices`` sends values only: pass the receiving stage's
 decoded indices to ``encode(indices=...)`` and the sending stage's kept indices to
-``decode(indices=...)``. Engines key these by micro-batch buffer.
+``decode(indices=...)``. The channel keys these by micro-batch.
+
+AQ-SGD's per-sample buffers index the activation's ``sample_dim`` (0 unless the framework puts the
+sample elsewhere, e.g. megatron-core's ``[seq, batch, hidden]``).
 """
 
 from __future__ import annotations
 
-import math
-import time
 from typing import Literal
 
 import torch
@@ -38,7 +39,7 @@ from deepspeed_ppq.compress.codecs import (
 from deepspeed_ppq.compress.feedback import FeedbackState, mixed_topk_indices
 from deepspeed_ppq.config import AQSGDConfig, CodecConfig
 
-__all__ = ["NonFiniteError", "BoundaryEncoder", "BoundaryDecoder", "compressed_boundary"]
+__all__ = ["NonFiniteError", "BoundaryEncoder", "BoundaryDecoder"]
 
 _NONE = CodecConfig()
 
@@ -48,11 +49,12 @@ class NonFiniteError(FloatingPointError):
 
 
 class _Side:
-    """What encoder and decoder share: config checks, mode selection, counters."""
+    """What encoder and decoder share: config checks, mode selection, AQ-SGD rows, state."""
 
     role = ""
 
-    def __init__(self, cfg: CodecConfig, *, name: str, aqsgd: AQSGDConfig | None, direction: str):
+    def __init__(self, cfg: CodecConfig, *, name: str, aqsgd: AQSGDConfig | None, direction: str,
+                 sample_dim: int = 0):
         if direction not in ("activations", "gradients"):
             raise ValueError(f"direction={direction!r}: use 'activations' or 'gradients'")
         ef = cfg.error_feedback
@@ -74,11 +76,10 @@ class _Side:
         self.values_only = direction == "gradients" and cfg.method == "topk" and cfg.reuse_indices
         self.state = FeedbackState()
         self.buffers = SampleBuffers(self.aqsgd, name, self.role) if self.aqsgd is not None else None
+        if sample_dim < 0:
+            raise ValueError(f"{name}: sample_dim={sample_dim} must be >= 0")
+        self.sample_dim = sample_dim
         self.last_indices: torch.Tensor | None = None
-        self.raw_bytes = 0
-        self.wire_bytes = 0
-        self.codec_seconds = 0.0
-        self.messages = 0
 
     def _mode(self, training: bool, uncompressed: bool) -> str:
         """``raw``, ``plain`` (stateless codec) or ``stateful``."""
@@ -100,11 +101,39 @@ class _Side:
         out = torch.empty(lay.shape, dtype=torch.float32, device=payload.device)
         return out, decode_from(self.cfg, payload, lay, out, indices=indices)
 
-    def _count(self, lay: PayloadLayout, t0: float) -> None:
-        self.raw_bytes += math.prod(lay.shape) * lay.dtype.itemsize
-        self.wire_bytes += lay.nbytes
-        self.codec_seconds += time.perf_counter() - t0
-        self.messages += 1
+    def _check_ids(self, sample_ids, shape) -> int:
+        d = self.sample_dim
+        if d >= len(shape):
+            raise ValueError(f"{self.name}: sample_dim={d} but the message has shape {tuple(shape)}")
+        n = None if sample_ids is None else torch.as_tensor(sample_ids).numel()
+        if n is not None and n != shape[d]:
+            raise ValueError(f"{self.name}: {n} sample_ids for a message of {shape[d]} samples (shape "
+                             f"{tuple(shape)}, sample_dim={d}): give one dataset index per sample")
+        return d
+
+    def _rows(self, sample_ids, shape, device) -> torch.Tensor:
+        """AQ-SGD: the per-sample buffers of ``sample_ids`` laid out as a message of ``shape``."""
+        d = self._check_ids(sample_ids, shape)
+        sample_shape = tuple(shape[:d]) + tuple(shape[d + 1:])
+        return self.buffers.gather(sample_ids, sample_shape, device=device).movedim(0, d)
+
+    def _store_rows(self, sample_ids, values: torch.Tensor) -> None:
+        d = self._check_ids(sample_ids, values.shape)
+        self.buffers.scatter(sample_ids, values.movedim(d, 0))
+
+    def state_dict(self) -> dict:
+        """This side's codec state as plain tensors: the EF/EF21 buffer, the AQ-SGD per-sample buffers."""
+        out: dict = {}
+        if self.state.buf is not None:
+            out["feedback"] = self.state.buf.detach().cpu().clone()
+        if self.buffers is not None:
+            out.update(self.buffers.state_dict())
+        return out
+
+    def load_state_dict(self, state: dict, device: torch.device | str = "cpu") -> None:
+        self.state.buf = state["feedback"].to(device) if "feedback" in state else None
+        if self.buffers is not None:
+            self.buffers.load_state_dict(state, device)
 
     def begin_step(self) -> None:
         """Start an optimizer step whose state updates ``rollback`` can undo (``ppq.nonfinite="skip"``)."""
@@ -124,10 +153,6 @@ class _Side:
         if self.buffers is not None:
             self.buffers.rollback()
 
-    def reset_state(self) -> None:
-        """Forget EF/EF21 state (not AQ-SGD buffers, which belong to dataset samples)."""
-        self.state.reset()
-
 
 class BoundaryEncoder(_Side):
     """Sender side of one (boundary, direction).
@@ -138,11 +163,11 @@ class BoundaryEncoder(_Side):
         aqsgd: AQ-SGD config (activations only); ignored unless enabled.
         nonfinite: ``"error"`` raises ``NonFiniteError`` on NaN/Inf; ``"skip"`` flags the payload.
         direction: ``"activations"`` or ``"gradients"`` (gradients may reuse the activation's TopK indices).
+        sample_dim: the dimension of a message that indexes its samples (AQ-SGD's buffers).
 
     Attributes:
         last_indices: TopK indices ``[B, K]`` of the last message (None for other codecs).
         last_nonfinite: whether the last message was flagged.
-        raw_bytes, wire_bytes, codec_seconds, messages: running counters.
     """
 
     role = "send"
@@ -155,8 +180,9 @@ class BoundaryEncoder(_Side):
         aqsgd: AQSGDConfig | None = None,
         nonfinite: Literal["error", "skip"] = "error",
         direction: Literal["activations", "gradients"] = "activations",
+        sample_dim: int = 0,
     ):
-        super().__init__(cfg, name=name, aqsgd=aqsgd, direction=direction)
+        super().__init__(cfg, name=name, aqsgd=aqsgd, direction=direction, sample_dim=sample_dim)
         if nonfinite not in ("error", "skip"):
             raise ValueError(f"nonfinite={nonfinite!r}: use 'error' or 'skip'")
         self.nonfinite = nonfinite
@@ -188,7 +214,6 @@ class BoundaryEncoder(_Side):
         Raises:
             NonFiniteError: NaN/Inf in ``x`` with ``nonfinite="error"``.
         """
-        t0 = time.perf_counter()
         mode = self._mode(training, uncompressed)
         lay = self._layout(x.shape, x.dtype, mode)
         if indices is not None and not lay.values_only:
@@ -210,18 +235,18 @@ class BoundaryEncoder(_Side):
         if mode == "raw":
             encode_into(_NONE, x, payload, lay)
             self.last_indices = None
-            if self._finish(payload, lay, t0) and self.buffers is not None and training:
-                self.buffers.scatter(sample_ids, x.float())  # never a non-finite value
+            if self._finish(payload, lay) and self.buffers is not None and training:
+                self._store_rows(sample_ids, x.float())  # never a non-finite value
             return payload
         if mode == "plain":
             full = encode_into(self.cfg, x, payload, lay, indices=indices)
-            self.last_indices = full if self._finish(payload, lay, t0) else None
+            self.last_indices = full if self._finish(payload, lay) else None
             return payload
 
         ef = self.cfg.error_feedback
         base = None
         if self.buffers is not None:
-            base = self.buffers.gather(sample_ids, x.shape[1:], device=x.device)
+            base = self._rows(sample_ids, x.shape, x.device)
             msg = x.float() - base
         elif ef in ("ef", "ef_mixed"):
             msg = x.float() + self.state.get(x.shape, x.device)
@@ -234,17 +259,16 @@ class BoundaryEncoder(_Side):
             e = self.state.get(x.shape, x.device)
             indices = mixed_topk_indices(x.reshape(B, -1), e.view(B, -1), lay.k)
         full = encode_into(self.cfg, msg.to(x.dtype), payload, lay, indices=indices)
-        clean = self._finish(payload, lay, t0, account=False)
+        clean = self._finish(payload, lay)
         self.last_indices = full if clean else None  # a flagged message has no usable indices
         if clean and (ef != "none" or base is not None):
             dec, _ = self._decoded_f32(payload, lay, full)
             if base is not None:
-                self.buffers.scatter(sample_ids, base + dec)
+                self._store_rows(sample_ids, base + dec)
             elif ef == "ef21":
                 self.state.buf += dec
             else:
                 self.state.buf = msg - dec
-        self._count(lay, t0)
         return payload
 
     def encode_flagged(self, shape, dtype, *, training: bool = True, uncompressed: bool = False,
@@ -256,10 +280,10 @@ class BoundaryEncoder(_Side):
         payload = torch.empty(lay.nbytes, dtype=torch.uint8) if out is None else out.view(-1)
         write_flagged(payload, lay)
         self.last_indices = None
-        self._finish(payload, lay, time.perf_counter())
+        self._finish(payload, lay)
         return payload
 
-    def _finish(self, payload, lay, t0, account: bool = True) -> bool:
+    def _finish(self, payload, lay) -> bool:
         """Apply the non-finite policy; returns whether the payload is clean."""
         bad = payload_status(payload) != 0
         self.last_nonfinite = bad
@@ -268,8 +292,6 @@ class BoundaryEncoder(_Side):
                 f"{self.name}: NaN or Inf in the tensor to compress (shape {lay.shape}, "
                 "ppq.nonfinite='error'); set ppq.nonfinite='skip' to skip such steps instead"
             )
-        if account:
-            self._count(lay, t0)
         return not bad
 
 
@@ -292,8 +314,9 @@ class BoundaryDecoder(_Side):
         name: str,
         aqsgd: AQSGDConfig | None = None,
         direction: Literal["activations", "gradients"] = "activations",
+        sample_dim: int = 0,
     ):
-        super().__init__(cfg, name=name, aqsgd=aqsgd, direction=direction)
+        super().__init__(cfg, name=name, aqsgd=aqsgd, direction=direction, sample_dim=sample_dim)
         self.last_nonfinite = False
 
     @torch.no_grad()
@@ -319,7 +342,6 @@ class BoundaryDecoder(_Side):
         Returns:
             ``out`` (or a new tensor); NaN-filled when the sender flagged non-finite values.
         """
-        t0 = time.perf_counter()
         mode = self._mode(training, uncompressed)
         lay = self._layout(shape, dtype, mode)
         if out is None:
@@ -338,7 +360,6 @@ class BoundaryDecoder(_Side):
             self.last_nonfinite = True
             out.fill_(float("nan"))
             self.last_indices = None
-            self._count(lay, t0)
             return out
         self.last_nonfinite = False
         if lay.values_only and indices is None and mode != "raw":
@@ -346,87 +367,18 @@ class BoundaryDecoder(_Side):
         if mode == "raw":
             decode_from(_NONE, payload, lay, out)
             if self.buffers is not None and training:
-                self.buffers.scatter(sample_ids, out.float())
+                self._store_rows(sample_ids, out.float())
             self.last_indices = None
         elif mode == "plain" or (self.buffers is None and self.cfg.error_feedback != "ef21"):
             self.last_indices = decode_from(self.cfg, payload, lay, out, indices=indices)
         else:
             dec, self.last_indices = self._decoded_f32(payload, lay, indices)
             if self.buffers is not None:
-                full = self.buffers.gather(sample_ids, shape[1:], device=dec.device) + dec
-                self.buffers.scatter(sample_ids, full)
+                full = self._rows(sample_ids, lay.shape, dec.device) + dec
+                self._store_rows(sample_ids, full)
             else:
                 g = self.state.get(lay.shape, payload.device)
                 g += dec
                 full = g
             out.copy_(full)
-        self._count(lay, t0)
         return out
-
-
-class _CompressedBoundary(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, act_enc, act_dec, grad_enc, grad_dec, sample_ids, training, uncompressed,
-                act_uncompressed):
-        ctx.grad_sides = (grad_enc, grad_dec)
-        act_raw = uncompressed or act_uncompressed
-        # Gradients that reuse the activation's TopK indices have none to reuse after a raw activation.
-        ctx.uncompressed = uncompressed or (act_raw and grad_enc is not None and grad_enc.values_only)
-        if act_enc is None:
-            ctx.idx = (None, None)
-            return x.clone()
-        payload = act_enc.encode(x, training=training, sample_ids=sample_ids, uncompressed=act_raw)
-        y = act_dec.decode(payload, x.shape, x.dtype, training=training, sample_ids=sample_ids,
-                           uncompressed=act_raw)
-        ctx.idx = (act_enc.last_indices, act_dec.last_indices)  # (sender kept, receiver decoded)
-        return y
-
-    @staticmethod
-    def backward(ctx, gy):
-        grad_enc, grad_dec = ctx.grad_sides
-        if grad_enc is None:
-            return gy, None, None, None, None, None, None, None, None
-        sent, received = ctx.idx
-        reuse = grad_enc.values_only and not ctx.uncompressed
-        gy = gy.contiguous()
-        payload = grad_enc.encode(gy, indices=received if reuse else None, uncompressed=ctx.uncompressed)
-        gx = grad_dec.decode(payload, gy.shape, gy.dtype, indices=sent if reuse else None,
-                             uncompressed=ctx.uncompressed)
-        return gx, None, None, None, None, None, None, None, None
-
-
-def compressed_boundary(
-    x: torch.Tensor,
-    act_enc: BoundaryEncoder | None,
-    act_dec: BoundaryDecoder | None,
-    grad_enc: BoundaryEncoder | None,
-    grad_dec: BoundaryDecoder | None,
-    *,
-    sample_ids=None,
-    training: bool = True,
-    uncompressed: bool = False,
-    activations_uncompressed: bool = False,
-) -> torch.Tensor:
-    """Single-process reference of one compressed stage boundary.
-
-    Forward encodes and decodes ``x`` with the activation pair; backward encodes and decodes the
-    incoming gradient with the gradient pair (values only at the activation's indices when the
-    gradient side reuses them). A ``None`` pair leaves that direction uncompressed.
-
-    Args:
-        x: the boundary activation.
-        sample_ids: dataset indices of the samples in ``x`` (AQ-SGD).
-        training: evaluation uses the codec only when ``cfg.eval_compressed``.
-        uncompressed: warm-up step (``ppq.warmup_steps``): both directions raw.
-        activations_uncompressed: AQ-SGD warm-up step (``ppq.aqsgd.warmup_steps``): the activation goes
-            raw (its per-sample buffers fill with the exact values), the gradient stays compressed --
-            except a TopK gradient that reuses the activation's indices, which has none and goes raw too.
-
-    Returns:
-        The reconstructed activation (differentiable w.r.t. ``x``).
-    """
-    if (act_enc is None) != (act_dec is None) or (grad_enc is None) != (grad_dec is None):
-        raise ValueError("compressed_boundary needs both or neither of the encoder/decoder of each direction")
-    return _CompressedBoundary.apply(
-        x, act_enc, act_dec, grad_enc, grad_dec, sample_ids, training, uncompressed, activations_uncompressed
-    )
