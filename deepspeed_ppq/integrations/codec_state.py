@@ -1,33 +1,38 @@
 """The PPQ engine's own state in DeepSpeed checkpoints: codec state and what a resume must agree on.
 
-``PPQPipelineEngine.save_checkpoint`` writes, beside DeepSpeed's files, one ``ppq_state_rank<R>.pt`` per
-rank into ``<save_dir>/<tag>/`` (plain tensors, ints, floats and strings: it loads with
-``torch.load(weights_only=True)``):
+``PPQPipelineEngine.save_checkpoint`` (:class:`CheckpointMixin`) writes, beside DeepSpeed's files, one
+``ppq_state_rank<R>.pt`` per rank into ``<save_dir>/<tag>/`` (plain tensors, ints, floats and strings: it
+loads with ``torch.load(weights_only=True)``). Format 2:
 
 * ``settings``: JSON of what the run was set up with -- the codec settings and partition (the start-up
   handshake's ``ppq.*``/``pipeline.*``), the weight format and the optimizer class;
-* ``sides``: per encoder/decoder (``"enc|act|0"``, ...): the EF/EF21 buffer, the AQ-SGD per-sample
-  buffers with their sample ids (memory storage: the ids seen and one row each; disk storage: every row
-  of the memory-mapped file), and the message/byte counters;
-* ``stats``: the engine's per-boundary counters (``ppq_stats``).
+* ``channels``: per boundary this rank talks over (``"0"``, ...), its ``BoundaryChannel.state_dict()``:
+  ``sides`` (``"send|activations|0"``, ...: the EF/EF21 buffer, the AQ-SGD per-sample buffers with their
+  sample ids -- memory storage: the ids seen and one row each; disk storage: every row of the memory-mapped
+  file) and ``stats`` (the counters of ``ppq_stats``).
 
-``load_checkpoint`` reads this file first and compares ``settings`` with the running engine: a resume
-into a different partition, codec, weight format or optimizer stops with an error naming each field,
-both values and how to convert, before DeepSpeed reports a generic state-dict mismatch.
+Format 1 (before the channels) is still read: ``sides`` keyed ``"enc|act|0"`` (with per-side counters,
+now dropped) and ``stats`` keyed ``"<boundary>|act"``. ``load_checkpoint`` reads the file first and
+compares ``settings`` with the running engine: a resume into a different partition, codec, weight format
+or optimizer stops with an error naming each field, both values and how to convert, before DeepSpeed
+reports a generic state-dict mismatch.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 
-import numpy as np
 import torch
 
 from deepspeed_ppq.config import PPQConfigError
+from deepspeed_ppq.integrations.handshake import flatten_settings
 
-__all__ = ["state_file", "resume_settings", "save_codec_state", "load_codec_state", "check_resume"]
+__all__ = ["FORMAT", "CheckpointMixin", "state_file", "resume_settings", "save_codec_state",
+           "load_codec_state", "check_resume", "read_state"]
 
+FORMAT = 2
 _HOW = {
     "pipeline": "module weights are saved per layer, so load_checkpoint(..., load_module_only=True) "
                 "restarts the optimizer and codec state on the new partition",
@@ -38,6 +43,10 @@ _HOW = {
     "optimizer": "start with the saved optimizer (its state has other keys), or load_checkpoint(..., "
                  "load_optimizer_states=False) to keep the weights and restart the optimizer",
 }
+# format 1: "enc|act|i" -> (which of the rank's boundaries: 0 its own, -1 the previous one, channel side key)
+_V1_SIDES = {("enc", "act"): (0, "send|activations"), ("dec", "grad"): (0, "recv|gradients"),
+             ("dec", "act"): (-1, "recv|activations"), ("enc", "grad"): (-1, "send|gradients")}
+_V1_DIRECTIONS = {"act": "activations", "grad": "gradients"}
 
 
 def state_file(ckpt_dir: str, tag: str, rank: int) -> str:
@@ -53,76 +62,36 @@ def resume_settings(engine) -> dict:
             "optimizer": {"class": type(opt).__name__ if opt is not None else None}}
 
 
-def _side_state(side) -> dict:
-    out: dict = {"counters": torch.tensor([side.raw_bytes, side.wire_bytes, side.messages],
-                                          dtype=torch.int64),
-                 "codec_seconds": float(side.codec_seconds)}
-    if side.state.buf is not None:
-        out["feedback"] = side.state.buf.detach().cpu().clone()
-    b = side.buffers
-    if b is not None and b.sample_shape is not None:
-        out["sample_shape"] = torch.tensor(b.sample_shape, dtype=torch.int64)
-        if b.cfg.storage == "disk":
-            out["aqsgd_rows"] = torch.from_numpy(np.array(b._memmap()))
-        else:
-            ids = sorted(b._mem)
-            out["aqsgd_ids"] = torch.tensor(ids, dtype=torch.int64)
-            out["aqsgd_rows"] = torch.stack([b._mem[i].cpu() for i in ids]) if ids else torch.empty(0)
-    return out
-
-
-def _restore_side(side, st: dict, device) -> None:
-    raw, wire, msgs = (int(v) for v in st["counters"].tolist())
-    side.raw_bytes, side.wire_bytes, side.messages = raw, wire, msgs
-    side.codec_seconds = float(st["codec_seconds"])
-    side.state.buf = st["feedback"].to(device) if "feedback" in st else None
-    b = side.buffers
-    if b is None or "sample_shape" not in st:
-        return
-    b.sample_shape = tuple(int(v) for v in st["sample_shape"].tolist())
-    rows = st["aqsgd_rows"]
-    if b.cfg.storage == "disk":
-        m = b._memmap()
-        if tuple(m.shape) != tuple(rows.shape):
-            raise PPQConfigError(f"{b.name}: the checkpoint's AQ-SGD buffers have shape "
-                                 f"{tuple(rows.shape)}, this run's file {b.file} has {tuple(m.shape)} "
-                                 "(aqsgd.num_samples changed?)")
-        m[:] = rows.numpy()
-        m.flush()
-    else:
-        b._mem = {int(i): rows[j].to(device) for j, i in enumerate(st["aqsgd_ids"].tolist())}
-
-
 def save_codec_state(engine, save_dir: str, tag: str) -> str:
     """Write this rank's ``ppq_state_rank<R>.pt`` (see the module docstring); returns its path."""
-    sides = {}
-    for prefix, table in (("enc", engine._encoders), ("dec", engine._decoders)):
-        for (direction, idx), side in table.items():
-            sides[f"{prefix}|{direction}|{idx}"] = _side_state(side)
-    stats = {f"{b}|{d}": torch.tensor([v[f] for f in sorted(v)], dtype=torch.float64)
-             for (b, d), v in engine._stats.items()}
     path = state_file(save_dir, tag, engine.global_rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fields = sorted(next(iter(engine._stats.values()), {}))
-    torch.save({"format": 1, "settings": json.dumps(resume_settings(engine), sort_keys=True),
-                "sides": sides, "stats": stats, "stat_fields": fields}, path)
+    channels = {str(b): ch.state_dict() for b, ch in engine.ppq_channels.items()}
+    torch.save({"format": FORMAT, "settings": json.dumps(resume_settings(engine), sort_keys=True),
+                "channels": channels}, path)
     return path
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
+def _v1_channels(engine, saved: dict) -> dict:
+    """A format-1 file's content in format 2's ``channels`` layout."""
+    out: dict = {}
+    for key, st in saved["sides"].items():
+        role, short, idx = key.split("|")
+        offset, side = _V1_SIDES[(role, short)]
+        b = engine.stage_id + offset
+        out.setdefault(str(b), {"sides": {}, "stats": {}})["sides"][f"{side}|{idx}"] = st
+    for key, vec in saved["stats"].items():
+        b, short = key.split("|")
+        if int(b) in engine.ppq_channels:
+            fields = dict(zip(saved["stat_fields"], vec.tolist()))
+            out.setdefault(b, {"sides": {}, "stats": {}})["stats"][_V1_DIRECTIONS[short]] = fields
     return out
 
 
 def check_resume(engine, path: str, saved: dict) -> None:
     """Raise naming every field the running engine and the checkpoint disagree on, and how to convert."""
     now = resume_settings(engine)
-    a, b = _flatten(json.loads(saved["settings"])), _flatten(now)
+    a, b = flatten_settings(json.loads(saved["settings"])), flatten_settings(now)
     diffs = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     if not diffs:
         return
@@ -133,22 +102,65 @@ def check_resume(engine, path: str, saved: dict) -> None:
 
 
 def read_state(path: str) -> dict:
+    """The content of a ``ppq_state_rank<R>.pt`` of format 1 or 2.
+
+    Raises:
+        PPQConfigError: an unreadable file or another format, naming the file and what to do.
+    """
     try:
-        return torch.load(path, weights_only=True)
+        saved = torch.load(path, weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file gets the same clear message
         raise PPQConfigError(f"{path}: not a readable ppq checkpoint state file ({type(err).__name__}: "
                              f"{err}); restore it from the run that saved it, or load_checkpoint(..., "
                              "load_module_only=True) to restart the codec state") from None
+    version = saved.get("format") if isinstance(saved, dict) else None
+    if version not in (1, FORMAT):
+        raise PPQConfigError(f"{path}: ppq checkpoint state format {version!r}, this deepspeed_ppq reads "
+                             f"formats 1 and {FORMAT}; resume with the deepspeed_ppq that wrote it, or "
+                             "load_checkpoint(..., load_module_only=True) to restart the codec state")
+    return saved
 
 
 def load_codec_state(engine, saved: dict) -> None:
-    """Restore the codec state and counters from ``saved`` (``read_state``) into ``engine``."""
-    for key, st in saved["sides"].items():
-        prefix, direction, idx = key.split("|")
-        side = (engine._encoder if prefix == "enc" else engine._decoder)(direction, int(idx))
-        _restore_side(side, st, engine.device)
-    fields = saved["stat_fields"]
-    for key, vec in saved["stats"].items():
-        b, d = key.split("|")
-        if (int(b), d) in engine._stats:
-            engine._stats[(int(b), d)] = dict(zip(fields, vec.tolist()))
+    """Restore the codec state and counters from ``saved`` (``read_state``) into ``engine``'s channels."""
+    channels = saved["channels"] if saved["format"] == FORMAT else _v1_channels(engine, saved)
+    for b, state in channels.items():
+        ch = engine.ppq_channels.get(int(b))
+        if ch is None:
+            raise PPQConfigError(f"the checkpoint holds codec state of boundary {b}, which stage "
+                                 f"{engine.stage_id} does not talk over (another partition?)")
+        ch.load_state_dict(state, engine.device)
+
+
+class CheckpointMixin:
+    """``save_checkpoint``/``load_checkpoint`` of ``PPQPipelineEngine``: DeepSpeed's plus the codec state."""
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+        """DeepSpeed's ``save_checkpoint`` plus this rank's codec state and set-up, so a resume continues
+        bit for bit."""
+        tag = f"global_step{self.global_steps}" if tag is None else tag
+        out = super().save_checkpoint(save_dir, tag=tag, client_state=client_state or {},
+                                      save_latest=save_latest, **kwargs)
+        save_codec_state(self, save_dir, str(tag))
+        return out
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_only=False, **kwargs):
+        """DeepSpeed's ``load_checkpoint``; first checks that this run is set up as the saved one
+        (partition, codecs, weight format, optimizer; the error names what differs and how to convert),
+        then restores the codec state (EF/EF21/AQ-SGD buffers, counters) unless ``load_module_only``."""
+        if tag is None and os.path.isfile(os.path.join(load_dir, "latest")):
+            with open(os.path.join(load_dir, "latest")) as f:
+                tag = f.read().strip()
+        saved = None
+        if tag is not None and not load_module_only:
+            path = state_file(load_dir, tag, self.global_rank)
+            if os.path.isfile(path):
+                saved = read_state(path)
+                check_resume(self, path, saved)
+            elif self._compressing:
+                warnings.warn(f"{path} is missing (a checkpoint saved without deepspeed_ppq?): the codec "
+                              "state (EF/EF21/AQ-SGD buffers) starts afresh", RuntimeWarning, stacklevel=2)
+        out = super().load_checkpoint(load_dir, tag=tag, load_module_only=load_module_only, **kwargs)
+        if saved is not None and out[0] is not None:
+            load_codec_state(self, saved)
+        return out

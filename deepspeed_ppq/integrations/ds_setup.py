@@ -1,35 +1,135 @@
-"""Set-up helpers of ``deepspeed_ppq.initialize``: config resolution, model preparation (weights,
+"""``deepspeed_ppq.initialize`` and its set-up helpers: config resolution, model preparation (weights,
 recomputation), the 8-bit optimizer of ``ppq.weights.optimizer_8bit``, start-up checks and the
-re-quantization hook."""
+re-quantization hook. The engine it builds for a ``PipelineModule`` is ``integrations.deepspeed``'s
+``PPQPipelineEngine``."""
 
 from __future__ import annotations
+
+import functools
+import warnings
 
 import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 
-from deepspeed_ppq.config import PPQConfig, PPQConfigError
+from deepspeed_ppq.config import PPQConfig, PPQConfigError, load_ppq_config
+from deepspeed_ppq.integrations.shm import release_at_exit
 
-__all__ = ["check_codecs"]
+__all__ = ["initialize", "check_codecs"]
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, distributed_port: int = 29500, mpu=None, dist_init_required=None,
+               collate_fn=None, config=None, mesh_param=None, config_params=None, *,
+               sample_ids: bool | None = None, block_layers=None, recompute_stages=None,
+               recompute_layers=None, requantize: bool = True, overlap_sends: bool = True, plan=None):
+    """Drop-in for ``deepspeed.initialize`` that honours the config's top-level ``"ppq"`` section.
+
+    Before DeepSpeed sees the model: ``ppq.weights`` converts its ``nn.Linear`` layers (skipped when the
+    model already holds ``QuantLinear`` layers, e.g. a ``PPQPipelineModule`` built with ``weights=``),
+    deciding "first/last N blocks" with global layer indices; the listed stages recompute their block
+    layers. After: train-mode ``QuantLinear`` compute copies are re-quantized after every optimizer step
+    (``quant.requantize_after_step`` on the engine; its handle is ``engine.ppq_requantize_handle``), and
+    master-free layers (``weights.master="none"``) are updated by ``quant.attach_master_free`` on every
+    rank (``engine.ppq_master_free_handle``).
+
+    Args:
+        (as ``deepspeed.initialize``), plus
+        sample_ids: the data iterator yields ``(inputs, labels, sample_ids)`` (AQ-SGD needs it when no
+            ``training_data`` with 3-tuple items is given).
+        block_layers: global indices of the transformer blocks (default: the module's, or inferred).
+        recompute_stages: ``True``, one bool per stage, or stage indices; default: the DeepSpeed config's
+            ``pipeline.recompute_stages`` (stage indices, as the autotuner writes them), which then also
+            turns DeepSpeed's ``activation_checkpoint_interval`` off (it is one value for all stages).
+        recompute_layers: one bool per global layer instead.
+        requantize: wire the re-quantization hook (set False if you call ``requantize_after_step`` yourself).
+        overlap_sends: compressed payloads go out with a non-blocking send (``PPQPipelineEngine``).
+        plan: a tuned ``Plan`` (or plan file path) to carry out, as the config's ``ppq.plan_file``
+            (``integrations.plan_apply``): the model is rebuilt at its boundaries and formats, the
+            optimizer in its kind, the batch sizes and codecs set from it.
+
+    Returns:
+        ``(engine, optimizer, training_dataloader, lr_scheduler)`` as ``deepspeed.initialize``; for a
+        ``PipelineModule`` the engine is a ``PPQPipelineEngine``.
+
+    Raises:
+        PPQConfigError: a bad ``"ppq"`` section, explicit boundaries the module was not built with,
+            AQ-SGD without sample indices, or an optimizer built before ``ppq.weights`` replaced layers.
+    """
+    from deepspeed_ppq.integrations.capture import capture_initialize
+
+    capture_initialize(dict(args=args, model=model, optimizer=optimizer, training_data=training_data,
+                            config=config, config_params=config_params))  # under `ppq tune`: stop here
+    release_at_exit()  # DeepSpeed's CPU backend never unlinks its /dev/shm all-reduce buffers
+
+    import deepspeed
+
+    ds_config = _resolve_ds_config(args, config, config_params)
+    ppq = load_ppq_config(ds_config.get("ppq"))
+    if plan is not None or ppq.plan_file:
+        from deepspeed_ppq.integrations.plan_apply import apply_plan
+
+        model, optimizer, ds_config, args = apply_plan(plan if plan is not None else ppq.plan_file, model,
+                                                       optimizer, ds_config, args)
+        config = ds_config
+        ppq = load_ppq_config(ds_config.get("ppq"))
+    if model is not None:
+        _prepare_model(model, ppq, ds_config, optimizer, model_parameters, block_layers, recompute_stages,
+                       recompute_layers)
+        if ppq.weights.optimizer_8bit:
+            optimizer, ds_config = _optimizer_8bit(model, optimizer, ds_config)
+            config = ds_config
+    if args is not None and getattr(args, "deepspeed_config", None) is not None:
+        config = None  # deepspeed.initialize reads it from args again
+    else:
+        config = ds_config
+    common = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                  training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
+                  dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                  mesh_param=mesh_param)
+    if not isinstance(model, PipelineModule):
+        if ppq.activations.enabled or ppq.gradients.enabled:
+            warnings.warn("ppq.activations/gradients compression applies to pipeline stages only; "
+                          "the model is not a PipelineModule", stacklevel=2)
+        out = deepspeed.initialize(mpu=mpu, **common)
+        if requantize:
+            _wire_requantize(out[0])
+        return out
+    if ppq.partition.method == "explicit" and list(model.parts) != list(ppq.partition.boundaries):
+        raise PPQConfigError(
+            f"ppq.partition.boundaries={ppq.partition.boundaries} but the model was partitioned as "
+            f"{list(model.parts)}: build it with PPQPipelineModule.from_config(layers, num_stages, config)")
+    if ppq.aqsgd.enabled:
+        _check_sample_ids(training_data, sample_ids)
+    check_codecs(ppq)
+    from deepspeed_ppq.integrations.deepspeed import PPQPipelineEngine
+
+    engine_cls = functools.partial(PPQPipelineEngine, ppq_config=ppq, ppq_sample_ids=sample_ids,
+                                   ppq_overlap_sends=overlap_sends)
+    saved = deepspeed.PipelineEngine
+    deepspeed.PipelineEngine = engine_cls  # deepspeed.initialize looks the class up in its module globals
+    try:
+        out = deepspeed.initialize(mpu=mpu, **common)
+    finally:
+        deepspeed.PipelineEngine = saved
+    if requantize:
+        _wire_requantize(out[0])
+    return out
+
 
 
 def check_codecs(cfg: PPQConfig) -> None:
-    """Build each direction's encoder and decoder once, so codec settings the codecs reject fail at
-    start-up on every rank instead of at the first send on one.
+    """Build a boundary's channel once, so codec settings the codecs reject fail at start-up on every rank
+    instead of at the first send on one.
 
     Raises:
-        PPQConfigError: naming the direction and the codec's complaint.
+        PPQConfigError: naming the direction, its settings and the codec's complaint.
     """
-    from deepspeed_ppq.compress import BoundaryDecoder, BoundaryEncoder
+    from deepspeed_ppq.compress import BoundaryChannel
 
-    for field, direction in (("activations", "activations"), ("gradients", "gradients")):
-        codec = getattr(cfg, field)
-        aq = cfg.aqsgd if field == "activations" and cfg.aqsgd.enabled else None
-        try:
-            BoundaryEncoder(codec, name=f"ppq.{field}", aqsgd=aq, direction=direction, nonfinite="skip")
-            BoundaryDecoder(codec, name=f"ppq.{field}", aqsgd=aq, direction=direction)
-        except ValueError as err:
-            settings = codec.model_dump(mode="json")
-            raise PPQConfigError(f"ppq.{field}={settings} is not usable: {err}") from None
+    try:
+        BoundaryChannel(cfg, label="ppq")
+    except ValueError as err:
+        raise PPQConfigError(str(err)) from None
 
 
 def _check_sample_ids(training_data, declared: bool | None) -> None:

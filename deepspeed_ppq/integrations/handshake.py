@@ -15,31 +15,21 @@ import json
 import torch
 from deepspeed.runtime.pipe import p2p
 
-from deepspeed_ppq.config import PPQConfig
+from deepspeed_ppq.compress import codec_settings
 
-__all__ = ["CodecMismatchError", "codec_settings", "HandshakeMixin"]
+__all__ = ["CodecMismatchError", "codec_settings", "flatten_settings", "HandshakeMixin"]
 
 
 class CodecMismatchError(RuntimeError):
     """Two adjacent stages were started with different codec settings or partitions."""
 
 
-def codec_settings(cfg: PPQConfig) -> dict:
-    """The part of the ``"ppq"`` config that both sides of a boundary must agree on."""
-    return {
-        "activations": cfg.activations.model_dump(mode="json"),
-        "gradients": cfg.gradients.model_dump(mode="json"),
-        "aqsgd": cfg.aqsgd.model_dump(mode="json", include={"enabled", "warmup_steps"}),
-        "warmup_steps": cfg.warmup_steps,
-        "nonfinite": cfg.nonfinite,
-    }
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten_settings(d: dict, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: settings compared field by field."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten_settings(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -96,7 +86,7 @@ class HandshakeMixin:
         if hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).digest() == \
                 hashlib.sha256(theirs_blob).digest():
             return []
-        a, b = _flatten(mine), _flatten(theirs)
+        a, b = flatten_settings(mine), flatten_settings(theirs)
         diffs = [f"{k}: stage {self.stage_id} has {a.get(k)!r}, stage {peer} has {b.get(k)!r}"
                  for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
         lo, hi = sorted((self.stage_id, peer))

@@ -85,19 +85,9 @@ def micro_batches(step: int, mb: int, gas: int):
 def codec_state(engine) -> list[torch.Tensor]:
     """Every EF/EF21 buffer and AQ-SGD per-sample buffer this rank holds, in a fixed order."""
     out = []
-    for key in sorted(engine._encoders) + sorted(engine._decoders):
-        for side in (engine._encoders.get(key), engine._decoders.get(key)):
-            if side is None:
-                continue
-            if side.state.buf is not None:
-                out.append(side.state.buf.clone())
-            if side.buffers is not None:
-                b = side.buffers
-                if b.cfg.storage == "disk":
-                    if b._map is not None:
-                        out.append(torch.from_numpy(b._map.copy()))
-                else:
-                    out += [b._mem[i].clone() for i in sorted(b._mem)]
+    for _, ch in sorted(engine.ppq_channels.items()):
+        for _, st in sorted(ch.state_dict()["sides"].items()):
+            out += [st[k] for k in ("feedback", "aqsgd_ids", "aqsgd_rows") if k in st]
     return out
 
 
@@ -123,8 +113,9 @@ def run_case(case: dict, world: int) -> dict:
         before, skipped = snapshot(engine, opt), engine.skipped_steps
         gs = engine.global_steps
         engine.module.train(not ev.startswith("eval"))  # the codec path this event takes
-        phase = "raw" if engine._codec_mode("act") is None else \
-            ("codec-raw" if engine._codec_mode("act")["uncompressed"] else "compressed")
+        ch = engine.ppq_channels[0]
+        mode = ch.mode("activations", training=engine.module.training, step=engine.global_steps)
+        phase = "raw" if mode is None else ("codec-raw" if mode.uncompressed else "compressed")
         ARMED["act"] = ev in ("act", "eval_act")
         ARMED["grad"] = ev == "grad"
         rec = {"event": ev, "global_step": gs, "act_path": phase}

@@ -83,47 +83,30 @@ def loss_fn(out, y):
 
 
 class Reference:
-    """The whole model in one process with ``compressed_boundary`` at every stage boundary."""
+    """The whole model in one process with ``compressed_boundary`` at every stage boundary (one channel
+    each, the tuple's floating tensors in its slots)."""
 
     def __init__(self, ppq, tuple_act: bool, cuts: list[int]):
-        from deepspeed_ppq.compress import BoundaryDecoder, BoundaryEncoder
+        from deepspeed_ppq.compress import BoundaryChannel
 
-        self.ppq, self.cuts = ppq, set(cuts[1:-1])
-        self.enabled = ppq.activations.enabled or ppq.gradients.enabled
+        self.cuts = set(cuts[1:-1])
         self.model = nn.Sequential(*make_layers(tuple_act))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
-        aq = ppq.aqsgd if ppq.aqsgd.enabled else None
-        self.codecs = {}
-        for b in sorted(self.cuts):
-            for idx in range(2):
-                name = f"ref {b}[{idx}]"
-                self.codecs[(b, idx)] = (
-                    BoundaryEncoder(ppq.activations, name=name, aqsgd=aq, nonfinite="skip"),
-                    BoundaryDecoder(ppq.activations, name=name, aqsgd=aq),
-                    BoundaryEncoder(ppq.gradients, name=name, nonfinite="skip", direction="gradients"),
-                    BoundaryDecoder(ppq.gradients, name=name, direction="gradients"))
+        self.channels = {b: BoundaryChannel(ppq, label=f"ref {b}") for b in sorted(self.cuts)}
 
     def forward(self, x, ids, step: int, training: bool):
         from deepspeed_ppq.compress import compressed_boundary
 
-        # The engine's rules: ppq.warmup_steps -> both directions raw (AQ-SGD still fills its buffers,
-        # through the codec); aqsgd.warmup_steps -> activations raw, gradients compressed; evaluation is
-        # compressed when eval_compressed, statelessly.
-        aq = self.ppq.aqsgd
-        warm = training and step < self.ppq.warmup_steps
-        aq_warm = training and aq.enabled and step < max(self.ppq.warmup_steps, aq.warmup_steps)
-        compress = (not warm or aq.enabled) if training else self.ppq.activations.eval_compressed
         h = x
         for i, layer in enumerate(self.model):
             h = layer(h)
-            if i + 1 in self.cuts and compress and self.enabled:
+            if i + 1 in self.cuts:
                 hs = (h,) if isinstance(h, torch.Tensor) else h
                 out, fi = [], 0
                 for t in hs:
                     if t.is_floating_point():
-                        ae, ad, ge, gd = self.codecs[(i + 1, fi)]
-                        t = compressed_boundary(t, ae, ad, ge, gd, sample_ids=ids, training=training,
-                                                uncompressed=warm, activations_uncompressed=aq_warm)
+                        t = compressed_boundary(t, self.channels[i + 1], slot=fi, sample_ids=ids,
+                                                training=training, step=step)
                         fi += 1
                     out.append(t)
                 h = out[0] if isinstance(h, torch.Tensor) else tuple(out)
