@@ -32,7 +32,7 @@ from pydantic import BaseModel, TypeAdapter
 from deepspeed_ppq.config import PPQConfig, PPQConfigError, load_ppq_config
 
 __all__ = ["PPQFlag", "ppq_flags", "add_ppq_args", "args_to_ppq_config", "check_megatron_compatible",
-           "partition_layout", "PPQ_GROUP_TITLE"]
+           "interleaving_problems", "partition_layout", "PPQ_GROUP_TITLE"]
 
 PPQ_GROUP_TITLE = "ppq (deepspeed_ppq: low-bit weights and compressed pipeline traffic)"
 
@@ -203,15 +203,39 @@ def _interleaved(args: argparse.Namespace) -> bool:
     return bool((vp and vp > 1) or per_stage or (per_vp and per_vp > 1))
 
 
+def interleaving_problems(cfg: PPQConfig) -> list[str]:
+    """What the interleaved schedule cannot carry, one message each: error feedback and AQ-SGD keep state
+    per pipeline boundary, and TopK index reuse matches each gradient to its activation in forward order;
+    the interleaved schedule sends several model chunks' traffic through one communicator in an order the
+    communicator cannot see. Stateless codecs are fine."""
+    problems = []
+    for side in ("activations", "gradients"):
+        c = getattr(cfg, side)
+        if c.enabled and c.error_feedback != "none":
+            problems.append(
+                f"--ppq-{side}-error-feedback {c.error_feedback}: error feedback keeps state per "
+                "pipeline boundary, which the interleaved schedule does not show the communicator; use "
+                f"--ppq-{side}-error-feedback none or drop --num-layers-per-virtual-pipeline-stage")
+    if cfg.aqsgd.enabled:
+        problems.append(
+            "--ppq-aqsgd-enabled: AQ-SGD keeps per-sample buffers per pipeline boundary and reads the "
+            "sample ids of one data iterator, which the interleaved schedule does not give the communicator; "
+            "drop --ppq-aqsgd-enabled or --num-layers-per-virtual-pipeline-stage")
+    g = cfg.gradients
+    if g.method == "topk" and g.reuse_indices:
+        problems.append(
+            "--ppq-gradients-reuse-indices: reusing the activation's TopK indices needs gradients in "
+            "forward order, which the interleaved schedule does not keep; use "
+            "--no-ppq-gradients-reuse-indices or drop --num-layers-per-virtual-pipeline-stage")
+    return problems
+
+
 def check_megatron_compatible(cfg: PPQConfig, args: argparse.Namespace | None = None) -> None:
     """Reject ppq settings that Megatron's pipeline cannot carry, saying what to change.
 
-    - AQ-SGD keys its buffers by the sample's dataset index; megatron-core's P2P path carries only
-      the activation tensor, so AQ-SGD is not available here.
-    - Error feedback and TopK index reuse keep state per boundary and match gradients to the
-      activations of the same micro-batch in order. The interleaved schedule sends several model
-      chunks' traffic through one communicator in an order the communicator cannot see, so with
-      interleaving only stateless codecs are allowed.
+    - With interleaving (virtual pipeline stages) only stateless codecs: see :func:`interleaving_problems`.
+    - AQ-SGD is carried (``megatron_patches.p2p``): each training batch brings its samples' dataset
+      indices, ``(inputs, labels, sample_ids)`` or a dict with ``"sample_ids"``.
     - Low-bit weights: with ``--transformer-impl transformer_engine`` only FP8 (e4m3) primary weights
       through TE; the ppq formats need the local layer spec and tensor parallel size 1.
     - ``use_ring_exchange_p2p`` bypasses ``_communicate``'s send/recv and is not supported with a codec.
@@ -222,26 +246,9 @@ def check_megatron_compatible(cfg: PPQConfig, args: argparse.Namespace | None = 
         PPQConfigError: with the flag to change.
     """
     problems = []
-    if cfg.aqsgd.enabled:
-        problems.append("--ppq-aqsgd-enabled: AQ-SGD needs each sample's dataset index at the stage "
-                        "boundary, "
-                        "which megatron-core's P2P path does not carry; use error feedback instead "
-                        "(--ppq-activations-error-feedback ef21) and drop --ppq-aqsgd-enabled")
     compressing = cfg.activations.enabled or cfg.gradients.enabled
     if args is not None and _interleaved(args) and compressing:
-        for side in ("activations", "gradients"):
-            c = getattr(cfg, side)
-            if c.enabled and c.error_feedback != "none":
-                problems.append(
-                    f"--ppq-{side}-error-feedback {c.error_feedback}: error feedback keeps state per "
-                    "pipeline boundary, which the interleaved schedule does not show the communicator; use "
-                    f"--ppq-{side}-error-feedback none or drop --num-layers-per-virtual-pipeline-stage")
-        g = cfg.gradients
-        if g.method == "topk" and g.reuse_indices:
-            problems.append(
-                "--ppq-gradients-reuse-indices: reusing the activation's TopK indices needs gradients in "
-                "forward order, which the interleaved schedule does not keep; use "
-                "--no-ppq-gradients-reuse-indices or drop --num-layers-per-virtual-pipeline-stage")
+        problems += interleaving_problems(cfg)
     if args is not None and "partition" in cfg.model_fields_set:
         pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
         try:

@@ -2,10 +2,11 @@
 
 Every P2P call of megatron-core 0.16.1 and 0.19.2 (``recv_forward``, ``send_forward_recv_backward``, ...) goes
 through one method, ``P2PCommunicator._communicate``. :class:`PPQP2PCommunicator` overrides it: the
-activation sent to the next stage and the gradient sent to the previous one travel as the codec's
-flat ``uint8`` payload (``deepspeed_ppq.compress``); the receiver allocates the payload's exact size
-(``payload_nbytes``: fixed per shape, dtype and codec, so nothing extra is exchanged) and decodes
-into the logical tensor the schedule expects.
+activation sent to the next stage and the gradient sent to the previous one cross through a
+``deepspeed_ppq.compress.BoundaryChannel`` each (the same as DeepSpeed's engine: when to compress,
+codec state, TopK index reuse, AQ-SGD, non-finite checks, counters) as the codec's flat ``uint8``
+payload; the receiver allocates the payload's exact size (fixed per shape, dtype and codec, so nothing
+extra is exchanged) and decodes into the logical tensor the schedule expects.
 
 Two ways in:
 
@@ -17,11 +18,17 @@ Two ways in:
 - megatron-core users pass ``p2p_communicator=PPQP2PCommunicator(pp_group, config, ppq=cfg)`` together
   with ``pg_collection=`` to a schedule from :func:`ppq_forward_backward_func`.
 
-State per rank (one non-interleaved stage has one boundary each way): an encoder for activations to
-the next stage and for gradients to the previous one, a decoder for each opposite direction. TopK
-index reuse: the activation sender keeps the indices it chose per micro-batch, the receiver keeps the
-ones it decoded; both consume them first-in first-out when the gradient of that micro-batch goes back
-(the non-interleaved 1F1B schedule runs backward passes in forward order on every stage).
+State per rank (:class:`BoundaryCodecs`): the upstream side of the boundary to the next stage
+(activations out, gradients in) and the downstream side of the one from the previous stage. Micro-batches
+are numbered per schedule call in the order they cross: the non-interleaved 1F1B schedule runs backward
+passes in forward order on every stage, so gradient ``n`` belongs to activation ``n`` (TopK index reuse).
+
+AQ-SGD: the buffers are kept per sample, so each training batch carries its samples' dataset indices,
+as on DeepSpeed: ``(inputs, labels, sample_ids)``, or a dict with a ``"sample_ids"`` entry. With
+``ppq.aqsgd.enabled`` the wrapped schedule takes them off every batch before ``forward_step_func`` sees
+it; the first stage sends each micro-batch's ids in front of its activation payload (``int64[B]``, counted
+as side bytes) and every later stage forwards them with its own activation. ``sample_dim`` is 1 here
+(megatron-core's activations are ``[seq, batch, hidden]``).
 
 Deferred decoding: with ``batch_p2p_comm=False`` the interleaved schedule asks for the requests back
 (``wait_on_reqs=False``) and waits on them later. The receive requests are then wrapped so that
@@ -31,21 +38,19 @@ schedule; send requests keep their payload alive until they complete.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import p2p_communication as _p2p
 from megatron.core.pipeline_parallel import schedules as _schedules
 
-from deepspeed_ppq.config import CodecConfig, PPQConfig, load_ppq_config
+from deepspeed_ppq.config import PPQConfig, PPQConfigError, load_ppq_config
 
 from ._compat import check_megatron_version, check_patch_points
+from .args import interleaving_problems
+from .p2p_state import _CALL, BoundaryCodecs, _CallContext, evaluating, with_sample_ids
 
 check_patch_points("compressed P2P")  # the class below subclasses P2PCommunicator: say what is missing
 
@@ -60,131 +65,12 @@ __all__ = [
     "format_bytes_on_wire",
 ]
 
-
-@dataclass
-class _CallContext:
-    training: bool = True
-    touched: set = field(default_factory=set)
-
-
-_CALL: contextvars.ContextVar[_CallContext | None] = contextvars.ContextVar("ppq_megatron_call", default=None)
-
-
-@contextlib.contextmanager
-def evaluating() -> Iterator[None]:
-    """Mark the schedule calls inside as evaluation (codecs follow ``CodecConfig.eval_compressed``).
-
-    Needed only when calling an unwrapped schedule function by hand; the wrapped ones
-    (:func:`ppq_forward_backward_func`, the installed patch) read ``forward_only`` themselves.
-    """
-    token = _CALL.set(_CallContext(training=False))
-    try:
-        yield
-    finally:
-        _CALL.reset(token)
-
-
 def _device() -> torch.device:
     if torch.cuda.is_available():
         # In CPU mode (megatron_patches.cpu_shim) CUDA reads as available and current_device() is "cpu".
         d = torch.cuda.current_device()
         return torch.device(d) if isinstance(d, (str, torch.device)) else torch.device("cuda", d)
     return torch.device("cpu")
-
-
-class BoundaryCodecs:
-    """One pipeline rank's codec state: both directions on both of its boundaries.
-
-    Args:
-        cfg: the validated ``PPQConfig``.
-        pp_rank, pp_size: this rank's position in the pipeline (names the boundaries in messages).
-
-    Attributes:
-        steps: training steps seen (``warmup_steps`` of them travel uncompressed).
-        raw_bytes, wire_bytes: what the logical tensors and what the payloads this rank sent would
-            weigh / weighed, per direction (``"activations"``, ``"gradients"``).
-    """
-
-    def __init__(self, cfg: PPQConfig, pp_rank: int, pp_size: int):
-        self.cfg = cfg
-        self.pp_rank, self.pp_size = pp_rank, pp_size
-        self.steps = 0
-        self.raw_bytes = {"activations": 0, "gradients": 0}
-        self.wire_bytes = {"activations": 0, "gradients": 0}
-        nxt, prv = (pp_rank + 1) % pp_size, (pp_rank - 1) % pp_size
-        self.act_send = self._codec(cfg.activations, "encoder", f"activations stage {pp_rank}->{nxt}")
-        self.act_recv = self._codec(cfg.activations, "decoder", f"activations stage {prv}->{pp_rank}")
-        self.grad_send = self._codec(cfg.gradients, "encoder", f"gradients stage {pp_rank}->{prv}")
-        self.grad_recv = self._codec(cfg.gradients, "decoder", f"gradients stage {nxt}->{pp_rank}")
-        self.reuse = cfg.gradients.method == "topk" and cfg.gradients.reuse_indices
-        self.sent_indices: deque = deque()  # TopK indices of activations sent, per micro-batch
-        self.recv_indices: deque = deque()  # TopK indices of activations received, per micro-batch
-
-    def _codec(self, c: CodecConfig, kind: str, name: str):
-        if not c.enabled:
-            return None
-        from deepspeed_ppq.compress import BoundaryDecoder, BoundaryEncoder
-
-        direction = name.split()[0]
-        if kind == "encoder":
-            return BoundaryEncoder(c, name=name, nonfinite=self.cfg.nonfinite, direction=direction)
-        return BoundaryDecoder(c, name=name, direction=direction)
-
-    def active(self, direction: str, training: bool) -> bool:
-        """Whether ``direction`` goes through its codec on this call (same answer on both ends).
-
-        Warm-up steps and evaluation without ``eval_compressed`` send the tensor itself.
-        """
-        c: CodecConfig = getattr(self.cfg, direction)
-        if not c.enabled:
-            return False
-        if training:
-            return self.steps >= self.cfg.warmup_steps
-        return c.eval_compressed
-
-    def payload_nbytes(self, direction: str, shape, dtype: torch.dtype, training: bool) -> int:
-        """Bytes of the payload the other end sends in ``direction`` for a tensor of ``shape``."""
-        side = self.act_recv if direction == "activations" else self.grad_recv
-        return int(side.nbytes(tuple(shape), dtype, training=training))
-
-    # -- the four directions ------------------------------------------------------------------------
-    def encode_activation(self, x: torch.Tensor, training: bool) -> torch.Tensor:
-        payload = self.act_send.encode(x.detach(), training=training)
-        if training and self.reuse:
-            self.sent_indices.append(self.act_send.last_indices)
-        self._count("activations", x, payload)
-        return payload  # the encoder allocates it on x's device
-
-    def decode_activation(self, payload, out: torch.Tensor, training: bool) -> None:
-        self.act_recv.decode(payload, tuple(out.shape), out.dtype, training=training, out=out)
-        if training and self.reuse:
-            self.recv_indices.append(self.act_recv.last_indices)
-
-    def encode_gradient(self, g: torch.Tensor, training: bool) -> torch.Tensor:
-        indices = self._pop(self.recv_indices, "received activation") if self.reuse and training else None
-        payload = self.grad_send.encode(g.detach().contiguous(), training=training, indices=indices)
-        self._count("gradients", g, payload)
-        return payload
-
-    def decode_gradient(self, payload, out: torch.Tensor, training: bool) -> None:
-        indices = self._pop(self.sent_indices, "sent activation") if self.reuse and training else None
-        self.grad_recv.decode(payload, tuple(out.shape), out.dtype, training=training, indices=indices,
-                              out=out)
-
-    def _pop(self, queue: deque, what: str):
-        if not queue:
-            raise RuntimeError(f"ppq: a gradient is crossing a boundary but no {what}'s TopK indices are "
-                               "kept for it (gradients out of forward order?)")
-        return queue.popleft()
-
-    def _count(self, direction: str, x: torch.Tensor, payload: torch.Tensor) -> None:
-        self.raw_bytes[direction] += x.numel() * x.element_size()
-        self.wire_bytes[direction] += payload.numel() * payload.element_size()
-
-    def count_raw(self, direction: str, x: torch.Tensor) -> None:
-        n = x.numel() * x.element_size()
-        self.raw_bytes[direction] += n
-        self.wire_bytes[direction] += n
 
 
 class _DecodeOnWait:
@@ -229,6 +115,10 @@ class PPQP2PCommunicator(_p2p.P2PCommunicator):
         ppq: a ``PPQConfig`` (or dict/JSON path); its ``activations`` and ``gradients`` codecs are used.
         codecs: an existing :class:`BoundaryCodecs` to share (the installed patch passes one so that
             state survives the schedule building a new communicator every step).
+
+    Raises:
+        PPQConfigError: settings the interleaved schedule (``virtual_pipeline_model_parallel_size``)
+            cannot carry, or ``use_ring_exchange_p2p`` with a codec.
     """
 
     ppq_config: PPQConfig | None = None  # set on the subclass bound by install_compressed_p2p
@@ -246,9 +136,15 @@ class PPQP2PCommunicator(_p2p.P2PCommunicator):
                 codecs = BoundaryCodecs(cfg, pp_group.rank(), pp_group.size())
                 if shared is not None:
                     shared[key] = codecs
-        if config.use_ring_exchange_p2p and (codecs.cfg.activations.enabled or codecs.cfg.gradients.enabled):
+        cfg = codecs.cfg
+        if config.use_ring_exchange_p2p and (cfg.activations.enabled or cfg.gradients.enabled):
             raise ValueError("use_ring_exchange_p2p=True bypasses the compressed send/recv: set it to "
                              "False to use ppq activations/gradients codecs")
+        vp = getattr(config, "virtual_pipeline_model_parallel_size", None) or 1
+        problems = interleaving_problems(cfg) if vp > 1 else []
+        if problems:
+            raise PPQConfigError("ppq settings the interleaved schedule cannot carry:\n  "
+                                 + "\n  ".join(problems))
         self.codecs = codecs
 
     @property
@@ -258,9 +154,7 @@ class PPQP2PCommunicator(_p2p.P2PCommunicator):
 
     def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape,
                      wait_on_reqs=True):
-        config = self.config
-        codecs = self.codecs
-        ctx = _CALL.get()
+        config, codecs, ctx = self.config, self.codecs, _CALL.get()
         if ctx is not None:
             ctx.touched.add(codecs)
         training = self.training
@@ -274,43 +168,18 @@ class PPQP2PCommunicator(_p2p.P2PCommunicator):
         if (recv_prev or recv_next) and tensor_shape is None:
             raise RuntimeError("tensor_shape must be specified to receive a tensor, "
                                "e.g. (seq_length, micro_batch_size, hidden_size)")
-        act_on = codecs.active("activations", training)
-        grad_on = codecs.active("gradients", training)
-        device = _device()
-
         # What goes on the wire: payloads for compressed directions, the tensors themselves otherwise.
-        wire_send_next, wire_send_prev = tensor_send_next, tensor_send_prev
-        if tensor_send_next is not None:
-            if act_on:
-                wire_send_next = codecs.encode_activation(tensor_send_next, training)
-            else:
-                codecs.count_raw("activations", tensor_send_next)
-        if tensor_send_prev is not None:
-            if grad_on:
-                wire_send_prev = codecs.encode_gradient(tensor_send_prev, training)
-            else:
-                codecs.count_raw("gradients", tensor_send_prev)
-
-        tensor_recv_prev = tensor_recv_next = None
-        wire_recv_prev = wire_recv_next = None
-        if recv_prev:
-            tensor_recv_prev = torch.empty(recv_prev_shape, requires_grad=True, device=device,
-                                           dtype=config.pipeline_dtype)
-            wire_recv_prev = (torch.empty(codecs.payload_nbytes("activations", recv_prev_shape,
-                                                                config.pipeline_dtype, training),
-                                          dtype=torch.uint8, device=device) if act_on else tensor_recv_prev)
-        if recv_next:
-            tensor_recv_next = torch.empty(recv_next_shape, requires_grad=True, device=device,
-                                           dtype=config.pipeline_dtype)
-            wire_recv_next = (torch.empty(codecs.payload_nbytes("gradients", recv_next_shape,
-                                                                config.pipeline_dtype, training),
-                                          dtype=torch.uint8, device=device) if grad_on else tensor_recv_next)
-
-        def finish_prev():
-            codecs.decode_activation(wire_recv_prev, tensor_recv_prev, training)
-
-        def finish_next():
-            codecs.decode_gradient(wire_recv_next, tensor_recv_next, training)
+        wire_send_next = None if tensor_send_next is None else codecs.send("activations", tensor_send_next,
+                                                                             training)
+        wire_send_prev = None if tensor_send_prev is None else codecs.send("gradients", tensor_send_prev,
+                                                                             training)
+        received = {}
+        for name, wanted, direction, shape in (("recv_prev", recv_prev, "activations", recv_prev_shape),
+                                               ("recv_next", recv_next, "gradients", recv_next_shape)):
+            if wanted:
+                received[name] = codecs.receive(direction, shape, config.pipeline_dtype, _device(), training)
+        (tensor_recv_prev, wire_recv_prev, _), (tensor_recv_next, wire_recv_next, _) = (
+            received.get(k, (None, None, None)) for k in ("recv_prev", "recv_next"))
 
         if config.batch_p2p_comm:
             if not wait_on_reqs:
@@ -326,40 +195,50 @@ class PPQP2PCommunicator(_p2p.P2PCommunicator):
             for req in reqs if isinstance(reqs, list) else reqs.values():
                 req.wait()
             reqs = None
-            if recv_prev and act_on:
-                finish_prev()
-            if recv_next and grad_on:
-                finish_next()
+            for _, _, finish in received.values():
+                finish()
         else:  # deferred: decode when the schedule waits on the receive (unbatched p2p only)
-            if "recv_prev" in reqs and act_on:
-                reqs["recv_prev"] = _DecodeOnWait(reqs["recv_prev"], finish_prev)
-            if "recv_next" in reqs and grad_on:
-                reqs["recv_next"] = _DecodeOnWait(reqs["recv_next"], finish_next)
-            if "send_next" in reqs and act_on:
-                reqs["send_next"] = _KeepAlive(reqs["send_next"], wire_send_next)
-            if "send_prev" in reqs and grad_on:
-                reqs["send_prev"] = _KeepAlive(reqs["send_prev"], wire_send_prev)
+            for name, (_, _, finish) in received.items():
+                reqs[name] = _DecodeOnWait(reqs[name], finish)
+            for name, wire, sent in (("send_next", wire_send_next, tensor_send_next),
+                                     ("send_prev", wire_send_prev, tensor_send_prev)):
+                if name in reqs and wire is not sent:
+                    reqs[name] = _KeepAlive(reqs[name], wire)
+        codecs.raise_if_flagged()  # a flagged payload this rank sent is out: stop (ppq.nonfinite="error")
         if config.batch_p2p_comm and config.batch_p2p_sync and torch.cuda.is_available():
             torch.cuda.synchronize()
         return tensor_recv_prev, tensor_recv_next, reqs
 
 
+def _config_of(kwargs: dict) -> PPQConfig | None:
+    """The ppq settings a schedule call runs with: its communicator's, or the installed patch's."""
+    comm = kwargs.get("p2p_communicator")
+    if isinstance(comm, PPQP2PCommunicator):
+        return comm.codecs.cfg
+    return getattr(_schedules.P2PCommunicator, "ppq_config", None)
+
+
 def _wrap_schedule(func: Callable) -> Callable:
-    """A schedule function that tells the communicator training from evaluation and counts steps."""
+    """A schedule function that tells the communicator training from evaluation, hands it the batches'
+    sample ids (AQ-SGD) and counts steps."""
     if getattr(func, "_ppq_wrapped", False):
         return func
 
     @functools.wraps(func)
     def wrapped(*args, **kwargs):
         ctx = _CallContext(training=not kwargs.get("forward_only", False))
+        cfg = _config_of(kwargs)
+        if cfg is not None and cfg.aqsgd.enabled and kwargs.get("data_iterator") is not None:
+            kwargs["data_iterator"] = with_sample_ids(kwargs["data_iterator"], ctx)
         token = _CALL.set(ctx)
+        done = False
         try:
             out = func(*args, **kwargs)
+            done = True
         finally:
             _CALL.reset(token)
-        if ctx.training:
             for codecs in ctx.touched:
-                codecs.steps += 1
+                codecs.end_schedule(trained=done and ctx.training)
         return out
 
     wrapped._ppq_wrapped = True

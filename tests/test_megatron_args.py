@@ -61,10 +61,12 @@ def test_bad_values_are_parse_errors(capsys):
 
 
 def test_what_megatron_cannot_carry_is_refused():
-    with pytest.raises(PPQConfigError, match="AQ-SGD needs each sample's dataset index"):
-        check_megatron_compatible(args_to_ppq_config(parse(
-            ["--ppq-activations-method", "quant", "--ppq-aqsgd-enabled"])))
+    aqsgd = args_to_ppq_config(parse(["--ppq-activations-method", "quant", "--ppq-aqsgd-enabled"]))
+    check_megatron_compatible(aqsgd, argparse.Namespace(pipeline_model_parallel_size=2))  # carried
     interleaved = argparse.Namespace(num_layers_per_virtual_pipeline_stage=2)
+    with pytest.raises(PPQConfigError, match="--ppq-aqsgd-enabled: AQ-SGD keeps per-sample buffers per "
+                                             "pipeline boundary"):
+        check_megatron_compatible(aqsgd, interleaved)
     with pytest.raises(PPQConfigError, match="--ppq-activations-error-feedback ef21: error feedback"):
         check_megatron_compatible(args_to_ppq_config(parse(
             ["--ppq-activations-method", "quant", "--ppq-activations-error-feedback", "ef21"])), interleaved)

@@ -82,6 +82,7 @@ def test_partition_flags_move_the_stage_boundary():
 
 @pytest.mark.distributed
 def test_launcher_rejects_bad_flags_before_starting():
-    with pytest.raises(RuntimeError, match="AQ-SGD needs each sample's dataset index"):
+    with pytest.raises(RuntimeError, match="--ppq-aqsgd-enabled: AQ-SGD keeps per-sample buffers"):
         run_ranks("-m", 1, ["megatron_patches.run", SCRIPT, "--ppq-activations-method", "quant",
-                            "--ppq-aqsgd-enabled"], timeout=120)
+                            "--ppq-aqsgd-enabled", "--num-layers-per-virtual-pipeline-stage", "1"],
+                  timeout=120)

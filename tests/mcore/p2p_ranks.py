@@ -3,10 +3,14 @@
 Run by tests/test_megatron_p2p.py through tests/dist_utils.run_ranks on 2 gloo ranks (PP=2, TP=1).
 argv[1] is a JSON list of cases; each case is
     {"name", "ppq": {...ppq section...}, "route": "install"|"explicit", "batch": bool,
-     "interleaved": bool, "steps": int}
+     "interleaved": bool, "steps": int, "dict_batches": bool}
 For each case, every rank runs the schedule, and also the whole model in one process with
 ``compressed_boundary`` (the codec's single-process reference) at each stage boundary, and reports
 the largest gradient difference of its own layers, plus the bytes its communicator put on the wire.
+
+The micro-batches draw samples from a pool of POOL, so samples come back (within a step and across
+steps) and AQ-SGD's per-sample buffers matter. With AQ-SGD on, each batch carries its sample ids:
+``(x, y, sample_ids)``, or ``{"x", "y", "sample_ids"}`` with ``dict_batches``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import torch
 import torch.distributed as dist
 from dist_utils import write_result
 
-H, SEQ, MB, NUM_MB, LAYERS_PER_CHUNK = 16, 4, 2, 4, 2
+from deepspeed_ppq.config import load_ppq_config
+
+H, SEQ, MB, NUM_MB, LAYERS_PER_CHUNK, POOL = 16, 4, 2, 4, 2, 6
 
 
 class Chunk(torch.nn.Module):
@@ -49,10 +55,26 @@ def full_layers(n: int) -> list[torch.nn.Linear]:
     return [torch.nn.Linear(H, H) for _ in range(n)]
 
 
-def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(100 + step)
-    return [(torch.randn(SEQ, MB, H, generator=g), torch.randn(SEQ, MB, H, generator=g))
-            for _ in range(NUM_MB)]
+def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(x [SEQ, MB, H], y, sample_ids [MB])`` per micro-batch of ``step``, samples from the pool; each
+    sample's inputs drift from step to step (as its activations would while the model trains)."""
+    g = torch.Generator().manual_seed(100)
+    xs, ys = torch.randn(POOL, SEQ, H, generator=g), torch.randn(POOL, SEQ, H, generator=g)
+    xs = xs + 0.2 * step * torch.randn(POOL, SEQ, H, generator=torch.Generator().manual_seed(step))
+    out = []
+    for m in range(NUM_MB):
+        ids = torch.tensor([(step * NUM_MB * MB + m * MB + j) % POOL for j in range(MB)])
+        out.append((xs[ids].transpose(0, 1).contiguous(), ys[ids].transpose(0, 1).contiguous(), ids))
+    return out
+
+
+def as_batches(data, case: dict) -> list:
+    """What the data iterator yields: ids only where AQ-SGD reads them (as a user would)."""
+    if not load_ppq_config(case["ppq"]).aqsgd.enabled:
+        return [(x, y) for x, y, _ in data]
+    if case.get("dict_batches"):
+        return [{"x": x, "y": y, "sample_ids": ids} for x, y, ids in data]
+    return data
 
 
 def loss_func(target, out):
@@ -61,42 +83,27 @@ def loss_func(target, out):
 
 
 def forward_step(data_iterator, model):
-    x, y = next(data_iterator)
+    batch = next(data_iterator)
+    x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch
     return model(x), partial(loss_func, y)
 
 
 def reference_grads(ppq, n_chunks: int, steps: int) -> list[list[torch.Tensor]]:
-    """Per step, the gradient of every weight of the whole model, codecs applied at each boundary."""
-    from deepspeed_ppq.config import load_ppq_config
+    """Per step, the gradient of every weight of the whole model, a channel at each boundary."""
+    from deepspeed_ppq.compress import BoundaryChannel, compressed_boundary
 
     cfg = load_ppq_config(ppq)
     layers = full_layers(n_chunks * LAYERS_PER_CHUNK)
-    boundaries = []
-    for b in range(n_chunks - 1):
-        if cfg.activations.enabled or cfg.gradients.enabled:
-            from deepspeed_ppq.compress import BoundaryDecoder, BoundaryEncoder
-
-            def pair(c, direction, name):
-                if not c.enabled:
-                    return None, None
-                return (BoundaryEncoder(c, name=name, nonfinite=cfg.nonfinite, direction=direction),
-                        BoundaryDecoder(c, name=name, direction=direction))
-            boundaries.append((*pair(cfg.activations, "activations", f"a{b}"),
-                               *pair(cfg.gradients, "gradients", f"g{b}")))
-        else:
-            boundaries.append(None)
+    channels = [BoundaryChannel(cfg, label=f"ref {b}", sample_dim=1) for b in range(n_chunks - 1)]
     out = []
     for step in range(steps):
         for layer in layers:
             layer.zero_grad(set_to_none=True)
-        warm = step < cfg.warmup_steps
-        for x, y in batches(step):
+        for x, y, ids in batches(step):
             h = x
             for i, layer in enumerate(layers):
-                if i and i % LAYERS_PER_CHUNK == 0 and boundaries[i // LAYERS_PER_CHUNK - 1]:
-                    from deepspeed_ppq.compress import compressed_boundary
-
-                    h = compressed_boundary(h, *boundaries[i // LAYERS_PER_CHUNK - 1], uncompressed=warm)
+                if i and i % LAYERS_PER_CHUNK == 0:
+                    h = compressed_boundary(h, channels[i // LAYERS_PER_CHUNK - 1], sample_ids=ids, step=step)
                 h = torch.tanh(layer(h))
             (torch.nn.functional.mse_loss(h, y) / NUM_MB).backward()
         out.append([t.grad.clone() for layer in layers for t in (layer.weight, layer.bias)])
@@ -141,7 +148,7 @@ def run_case(case: dict, rank: int) -> dict:
     for step in range(steps):
         for m in model:
             m.zero_grad(set_to_none=True)
-        data = batches(step)
+        data = as_batches(batches(step), case)
         iters = [iter(data) for _ in model] if vp else iter(data)
         with cpu_shim():
             res = fb(forward_step_func=forward_step, data_iterator=iters, model=model if vp else model[0],
