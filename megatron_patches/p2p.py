@@ -18,17 +18,13 @@ Two ways in:
 - megatron-core users pass ``p2p_communicator=PPQP2PCommunicator(pp_group, config, ppq=cfg)`` together
   with ``pg_collection=`` to a schedule from :func:`ppq_forward_backward_func`.
 
-State per rank (:class:`BoundaryCodecs`): the upstream side of the boundary to the next stage
-(activations out, gradients in) and the downstream side of the one from the previous stage. Micro-batches
-are numbered per schedule call in the order they cross: the non-interleaved 1F1B schedule runs backward
-passes in forward order on every stage, so gradient ``n`` belongs to activation ``n`` (TopK index reuse).
+State per rank and per schedule call: ``p2p_state`` (:class:`BoundaryCodecs`: the two channels, the
+micro-batch numbering that pairs each gradient with its activation, the sample ids of AQ-SGD).
 
-AQ-SGD: the buffers are kept per sample, so each training batch carries its samples' dataset indices,
-as on DeepSpeed: ``(inputs, labels, sample_ids)``, or a dict with a ``"sample_ids"`` entry. With
-``ppq.aqsgd.enabled`` the wrapped schedule takes them off every batch before ``forward_step_func`` sees
-it; the first stage sends each micro-batch's ids in front of its activation payload (``int64[B]``, counted
-as side bytes) and every later stage forwards them with its own activation. ``sample_dim`` is 1 here
-(megatron-core's activations are ``[seq, batch, hidden]``).
+AQ-SGD: each training batch carries its samples' dataset indices, as on DeepSpeed: ``(inputs, labels,
+sample_ids)``, or a dict with a ``"sample_ids"`` entry. With ``ppq.aqsgd.enabled`` the wrapped schedule
+takes them off every batch before ``forward_step_func`` sees it; the first stage sends each micro-batch's
+ids in front of its activation payload (``int64[B]``, counted as side bytes) and later stages forward them.
 
 Deferred decoding: with ``batch_p2p_comm=False`` the interleaved schedule asks for the requests back
 (``wait_on_reqs=False``) and waits on them later. The receive requests are then wrapped so that
@@ -64,6 +60,7 @@ __all__ = [
     "bytes_on_wire",
     "format_bytes_on_wire",
 ]
+
 
 def _device() -> torch.device:
     if torch.cuda.is_available():
