@@ -121,3 +121,43 @@ def test_cache_roundtrip_and_mismatch(profile, tmp_path):
     # a measured profile plans
     plan = plan_pipeline(PlanningProblem(layers=back, world_size=2, global_batch=4, micro_batch_sizes=[1, 2]))
     assert plan.boundaries[0] == 0 and plan.boundaries[-1] == len(back)
+
+
+@pytest.mark.parametrize("case", ["train", "master_free", "frozen_by_model"])
+def test_tracker_counts_low_bit_storage_as_the_ledger_does(case):
+    """Codes, scales, the dequantization buffer, and a master-free weight's gradient buffer and AdamW
+    states live outside the parameters: the tracker counts them, in the categories the planner predicts,
+    as ``measure_storage`` does (a block trained one step first, so every buffer exists)."""
+    from deepspeed_ppq.quant import (
+        attach_master_free,
+        build_optimizer,
+        clear_workspace,
+        convert_model,
+        measure_storage,
+    )
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(gpt_layers(CFG)[1])
+    if case == "frozen_by_model":
+        block.requires_grad_(False)
+        block[0].ln1.requires_grad_(True)  # something to train
+    wcfg = WeightsConfig(format="int8", keep_first_blocks=0, keep_last_blocks=0,
+                         master="none" if case == "master_free" else "fp32")
+    convert_model(block, wcfg, block_layers=[0], num_blocks=1)
+    opt = build_optimizer([p for p in block.parameters() if p.requires_grad], "adam", lr=1e-3)
+    if case == "master_free":
+        attach_master_free(opt, block)
+    clear_workspace()
+    x = torch.randn(2, CFG.seq_len, CFG.d_model)
+    block(x).square().mean().backward()
+    opt.step()
+    led = measure_storage(block, opt).groups()
+    tracker = StageMemTracker()
+    tracker.track_external(block, opt)
+    with tracker:
+        now = tracker.current()
+    assert now["parameters"] == led.get("weights", 0) + led.get("master_weights", 0) + led.get("workspace", 0)
+    assert now["gradients"] == led.get("gradients", 0)
+    assert now["optimizer"] == led.get("optimizer", 0)
+    if case != "train":
+        assert "master_weights" not in led

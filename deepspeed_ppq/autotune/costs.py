@@ -77,6 +77,9 @@ class LayerProfile:
         input_bytes: bytes of the tensor entering the layer, per sample.
         output_bytes: bytes of the tensor leaving the layer, per sample.
         quant_error: format -> relative weight error ``||W - Q(W)|| / ||W||`` (sensitivity).
+        workspace_bytes: format -> bytes of the dense buffer its largest low-bit weight dequantizes into;
+            the layers of a process share one such buffer (``quant.linear``), so a stage holds the largest
+            of its layers' (missing: none).
         peak_bytes: format -> micro-batch size -> the peak of activation and temporary bytes while
             the layer runs forward and backward alone (saved tensors, output, backward temporaries; not
             linear in the micro-batch size: kernels change with it); missing: ``saved_bytes``.
@@ -94,6 +97,7 @@ class LayerProfile:
     output_bytes: int
     quant_error: dict[str, float] = field(default_factory=dict)
     peak_bytes: dict[str, dict[int, int]] = field(default_factory=dict)
+    workspace_bytes: dict[str, int] = field(default_factory=dict)
 
     def transient_bytes(self, fmt: str, recompute: bool, micro_batch: int) -> float:
         """Bytes this layer needs on top of what the stage keeps for it while its backward runs, at

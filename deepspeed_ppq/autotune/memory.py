@@ -10,8 +10,9 @@ Both are reported in the coarser ``CATEGORIES`` that the two can agree on:
 ============== =============================================== ===========================================
 category       predicted (planner)                              measured (tracker)
 ============== =============================================== ===========================================
-parameters     ``weights`` (codes + scales, or training dtype)  parameters + module buffers
-               + ``master`` (fp32 masters of low-bit weights)
+parameters     ``weights`` (codes + scales, or training dtype,  parameters + module buffers + low-bit
+               + the dequantization buffer) + ``master``        codes, scales and dequantization buffer
+               (fp32 masters of low-bit weights)
 gradients      ``gradients``                                    gradients
 optimizer      ``optimizer``                                    optimizer states
 activations    ``activations`` (saved for backward, per          activations: saved tensors, stage outputs,
@@ -34,6 +35,8 @@ import weakref
 import torch
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+from deepspeed_ppq.quant.ledger import low_bit_tensors
 
 _OPT = _MemRefType.OPT
 
@@ -76,6 +79,14 @@ def coarse(predicted: dict[str, float]) -> dict[str, int]:
 
 def fmt_mib(n: float) -> str:
     return f"{n / MIB:.2f} MiB"
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
 
 
 class StageMemTracker(MemTracker):
@@ -131,10 +142,18 @@ class StageMemTracker(MemTracker):
         return out
 
     def track_external(self, *external) -> None:
-        """As ``MemTracker.track_external``; an optimizer also gets step hooks of its own that mark its
-        step (the global optimizer hooks do not fire for every optimizer a wrapper steps)."""
+        """As ``MemTracker.track_external``; a module's low-bit layers also count what they hold outside
+        their parameters (codes and scales, the dequantization buffer: parameters; a master-free weight's
+        gradient buffer and AdamW states: gradients and optimizer; ``quant.low_bit_tensors``), and an
+        optimizer gets step hooks of its own that mark its step (the global optimizer hooks do not fire for
+        every optimizer a wrapper steps)."""
         super().track_external(*external)
         for obj in external:
+            if isinstance(obj, torch.nn.Module):
+                for cat, t in low_bit_tensors(obj):
+                    ref = (_MemRefType.GRAD if cat == "gradients" else _OPT if cat.startswith("optimizer")
+                           else _MemRefType.PARAM)
+                    self._update_and_maybe_create_winfos(t, ref)
             if isinstance(obj, torch.optim.Optimizer):
                 obj.register_step_pre_hook(lambda *_: setattr(self, "_in_opt", True))
                 obj.register_step_post_hook(lambda opt, *_: self._leave_step(opt))
@@ -143,6 +162,14 @@ class StageMemTracker(MemTracker):
         if self._depth:
             self._track_optimizer_states(_OPT, optimizer)
         self._in_opt = False
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+        # torch's tracker hooks every parameter's gradient, and a frozen parameter (a fine-tune's base)
+        # refuses a hook: mark those as hooked already (with handles that remove nothing)
+        for p in module.parameters():
+            if not p.requires_grad:
+                self._param_to_grad_hook_handles.setdefault(p, (_NO_HOOK, _NO_HOOK))
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _pre_fw_hook(self, module, inputs) -> None:
         if module not in self._registered:

@@ -213,6 +213,8 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
     for layer in layers:
         for cat, v in layer.static_bytes(layer.format_for(c.level), k.optimizer_8bit, k.master_free).items():
             mem[cat] += v
+    # the low-bit layers share one dequantization buffer: the largest of theirs
+    mem["weights"] += max(layer.workspace_bytes.get(layer.format_for(c.level), 0) for layer in layers)
     saved = [layer.saved_bytes[layer.format_for(c.level)] * b for layer in layers]
     # one layer at a time runs its backward: the largest transient of the stage's layers on top
     transient = max(layer.transient_bytes(layer.format_for(c.level), c.recompute, b) for layer in layers)
@@ -317,7 +319,7 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
     in_b = np.array([layer.input_bytes for layer in layers], dtype=float)
     rc = np.array([layer.recomputable for layer in layers])
     shape = (len(options), N, N)
-    t_opt, static_opt, act_opt, transient_opt = (np.zeros(shape) for _ in range(4))
+    t_opt, static_opt, act_opt, transient_opt, ws_opt = (np.zeros(shape) for _ in range(5))
     per_level = {}
     for level in levels:
         fmts = [layer.format_for(level) for layer in layers]
@@ -328,6 +330,7 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
         saved = np.array([layer.saved_bytes[f] * b for layer, f in zip(layers, fmts)], dtype=float)
         trans = {r: np.array([layer.transient_bytes(f, r, b) for layer, f in zip(layers, fmts)], dtype=float)
                  for r in (False, True)}
+        ws = np.array([layer.workspace_bytes.get(f, 0) for layer, f in zip(layers, fmts)], dtype=float)
         per_level[level] = (
             _seg(_prefix(tm[:, 0])),
             _seg(_prefix(np.where(rc, tm[:, 0], 0.0))),
@@ -335,16 +338,18 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
             _seg(_prefix(stat)),
             saved,
             trans,
+            ws,
         )
     for o, (level, rec) in enumerate(options):
-        fwd, fwd_rc, bwd, stat, saved, trans = per_level[level]
+        fwd, fwd_rc, bwd, stat, saved, trans, ws = per_level[level]
         t_opt[o] = fwd + (fwd_rc if rec else 0.0) + bwd
         static_opt[o] = stat
         # checkpointed layers keep only their input; the largest backward transient comes on top
         act_opt[o] = _seg(_prefix(np.where(rc, in_b * b, saved) if rec else saved))
-        for i in range(L):
+        for i in range(L):  # the largest transient and the largest dequantization buffer of the segment
             transient_opt[o, i, i + 1 :] = np.maximum.accumulate(trans[rec][i:])
-    return options, t_opt, static_opt, act_opt, transient_opt
+            ws_opt[o, i, i + 1 :] = np.maximum.accumulate(ws[i:])
+    return options, t_opt, static_opt + ws_opt, act_opt, transient_opt
 
 
 def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) -> _Tables:

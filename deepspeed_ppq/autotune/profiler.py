@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import statistics
 import time
 import warnings
@@ -103,6 +104,16 @@ def _convert(
     return layer, nq, (err2 / norm2) ** 0.5 if norm2 > 0 else 0.0
 
 
+def _workspace_bytes(layer: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the dense buffer the layer's largest low-bit weight dequantizes into (in the dtype of the
+    activations it computes with)."""
+    from deepspeed_ppq.quant import QuantLinear
+
+    dtype = x.dtype if x.is_floating_point() else torch.float32
+    sizes = [math.prod(m.qweight.shape) for m in layer.modules() if isinstance(m, QuantLinear)]
+    return max(sizes, default=0) * dtype.itemsize
+
+
 def _saved_bytes(layer: nn.Module, x: torch.Tensor, loss_fn=None, labels=None) -> int:
     """Bytes of the tensors autograd saves during ``layer(x)`` (and the loss on it, for the last
     layer), each storage once, parameters excluded."""
@@ -139,11 +150,18 @@ def _peak_bytes(layer: nn.Module, x: torch.Tensor, loss_fn=None, labels=None) ->
         out = layer(xin)
         if loss_fn is not None:
             out = loss_fn(out, labels)
-        out.backward(grad_out)
+        if _has_backward(layer, x):
+            out.backward(grad_out)
         del out
     layer.zero_grad(set_to_none=True)
     peak = tracker.peak()
     return peak["activations"] + peak["temporaries"]
+
+
+def _has_backward(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether a backward runs through ``layer``: a floating input, or a parameter to train (a frozen
+    embedding on token ids has none)."""
+    return x.is_floating_point() or any(p.requires_grad for p in layer.parameters())
 
 
 def _layer_times(layer, x, loss_fn, labels, device, reps, warmup) -> tuple[list[float], torch.Tensor]:
@@ -157,6 +175,8 @@ def _layer_times(layer, x, loss_fn, labels, device, reps, warmup) -> tuple[list[
 
     with torch.no_grad():
         y0 = layer(xin)
+    if not _has_backward(layer, x):
+        return [_median_time(lambda: out_of(xin), device, reps, warmup), 0.0, 0.0], y0.detach()
     grad_out = None if loss_fn is not None else torch.randn_like(y0)
 
     def fwd():
@@ -222,7 +242,8 @@ def profile_layers(
     decisions = {f: _decisions(layers, kinds, weights_cfg, f) for f in formats}
     profiles: list[LayerProfile] = []
     per_layer: list[dict] = [
-        {"times": {}, "weight_bytes": {}, "saved_bytes": {}, "peak_bytes": {}, "quant_error": {}, "nq": 0}
+        {"times": {}, "weight_bytes": {}, "saved_bytes": {}, "peak_bytes": {}, "quant_error": {}, "nq": 0,
+         "workspace_bytes": {}}
         for _ in layers
     ]
     allowed = [
@@ -253,6 +274,7 @@ def profile_layers(
                     rec["saved_bytes"][fmt] = _saved_bytes(mod, xin, loss_fn if last else None, labels) // b
                     led = measure_storage(mod).groups()
                     rec["weight_bytes"][fmt] = led.get("weights", 0) + led.get("buffers", 0)
+                    rec["workspace_bytes"][fmt] = _workspace_bytes(mod, x)
                     rec["quant_error"][fmt] = err
                     io_bytes[i] = [x.nbytes // b, y.nbytes // b]
                 if fmt == "none":
@@ -274,6 +296,7 @@ def profile_layers(
                 output_bytes=io_bytes[i][1],
                 quant_error=rec["quant_error"],
                 peak_bytes=rec["peak_bytes"],
+                workspace_bytes=rec["workspace_bytes"],
             )
         )
     return profiles
@@ -404,7 +427,7 @@ def measure_link(
 # ----------------------------------------------------------------------------------------------
 # What a cache file holds; bump when that changes (5: a whole ``runner.Profile`` under "profile", with
 # peak_bytes per micro-batch size).
-PROFILE_FORMAT = 5
+PROFILE_FORMAT = 6
 
 
 def profile_key(layers: Sequence[nn.Module], **settings) -> str:

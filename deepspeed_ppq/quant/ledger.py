@@ -26,8 +26,8 @@ Categories (dotted; ``MemoryLedger.groups()`` sums by the first part):
 ``buffers``                        module buffers (masks, running stats)
 ``optimizer.wrapper``              measured only: the flat fp32 masters, gradient buffers and the
                                    like that a DeepSpeed bf16/fp16/ZeRO optimizer wrapper holds
-``workspace``                      the dense dequantization buffers ``QuantLinear`` shares: one per
-                                   distinct low-bit weight shape and compute dtype
+``workspace``                      the dense dequantization buffer ``QuantLinear`` shares: one per
+                                   compute dtype and device, as large as the largest low-bit weight
 =================================  ============================================================
 
 Master-free layers (``WeightsConfig.master="none"``, ``quant.master_free``): codes + scales, no
@@ -74,6 +74,7 @@ __all__ = [
     "ledger_from_shapes",
     "ledger_from_model",
     "measure_storage",
+    "low_bit_tensors",
 ]
 
 _CODE_BYTES_X2 = {"int8": 2, "fp8_e4m3": 2, "fp8_e5m2": 2, "int4": 1, "nf4": 1}  # 2 x bytes/value
@@ -230,7 +231,7 @@ def ledger_from_shapes(
         gradients: count a gradient per trainable parameter (as after ``backward``).
         buffers_bytes: bytes of module buffers to include as ``buffers``.
         compute_dtype: dtype of the activations, hence of the dequantization ``workspace`` (one
-            buffer per distinct low-bit shape); None leaves the workspace out.
+            buffer as large as the largest low-bit weight); None leaves the workspace out.
 
     Returns:
         The ``MemoryLedger``.
@@ -288,7 +289,8 @@ def ledger_from_shapes(
             led.add(k, b)
     led.add("buffers", buffers_bytes)
     if compute_dtype is not None:
-        led.add("workspace", sum(math.prod(shape) * compute_dtype.itemsize for shape in low_bit_shapes))
+        led.add("workspace", max((math.prod(shape) for shape in low_bit_shapes), default=0)
+                * compute_dtype.itemsize)
     return led
 
 
@@ -386,8 +388,8 @@ def measure_storage(model: nn.Module, optimizer=None) -> MemoryLedger:
     """Add up the storage bytes a live model and optimizer hold, by ledger category.
 
     Every storage is counted once (tied weights, shared code maps), in the first category that
-    reaches it. ``workspace`` counts the shared dequantization buffers of this model's low-bit
-    shapes (they exist after the first forward pass). ``model`` may be a DeepSpeed engine (its
+    reaches it. ``workspace`` counts the shared dequantization buffers on this model's devices (they
+    exist after the first forward pass). ``model`` may be a DeepSpeed engine (its
     ``module`` and ``basic_optimizer`` are used).
 
     Args:
@@ -416,17 +418,9 @@ def measure_storage(model: nn.Module, optimizer=None) -> MemoryLedger:
         led.add(cat, st.nbytes())
 
     params: list[nn.Parameter] = []
-    mf_states: list[tuple[str, torch.Tensor]] = []
     for mod in model.modules():
-        if isinstance(mod, QuantLinear):
-            for name, t in mod.qweight.storage_tensors().items():
-                count(f"weights.{mod.format.value}.{'codes' if name == 'qdata' else 'scales'}", t)
-            if mod.master_free:
-                count("gradients", mod.weight_grad)
-                mf_states.extend(mod.optim_state.items())
-            elif mod.mode == "train":
-                count("master_weights", mod.weight)
-                params.append(mod.weight)
+        if isinstance(mod, QuantLinear) and mod.mode == "train" and not mod.master_free:
+            count("master_weights", mod.weight)
         for p in mod.parameters(recurse=False):
             count(f"weights.dense.{_dtype_name(p.dtype)}", p)
             params.append(p)
@@ -434,32 +428,8 @@ def measure_storage(model: nn.Module, optimizer=None) -> MemoryLedger:
             count("buffers", b)
     for p in params:
         count("gradients", p.grad)
-    from deepspeed_ppq.quant.linear import workspace_tensors
-
-    shapes = {
-        (tuple(m.qweight.shape), str(m.qweight.qdata.device))
-        for m in model.modules()
-        if isinstance(m, QuantLinear)
-    }
-    for (shape, _dtype, device), t in workspace_tensors().items():
-        if (shape, device) in shapes:
-            count("workspace", t)
-    if mf_states:  # master-free layers' own AdamW states (+ the shared 8-bit code maps of their device)
-        from deepspeed_ppq.quant.master_free import _QMAPS
-
-        devices = set()
-        for key, t in mf_states:
-            if key.startswith("absmax"):
-                cat = "optimizer.absmax"
-            elif t.dtype == torch.uint8:
-                cat = "optimizer.state_8bit"
-                devices.add(str(t.device))
-            else:
-                cat = "optimizer.state"
-            count(cat, t)
-        for dev in devices:
-            for t in _QMAPS.get(dev, ()):
-                count("optimizer.qmap", t)
+    for cat, t in low_bit_tensors(model):
+        count(cat, t)
     if optimizer is not None:
         opt = underlying_optimizer(optimizer)
         for state in opt.state.values():
@@ -486,6 +456,40 @@ def measure_storage(model: nn.Module, optimizer=None) -> MemoryLedger:
         for t in _tensors_in(wrapper):
             count("optimizer.wrapper", t)
     return led
+
+
+def low_bit_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(ledger category, tensor)`` of what the low-bit layers of ``model`` hold outside their
+    parameters: codes and scales (``weights.<format>.codes|scales``), master-free weights' gradient buffer
+    (``gradients``) and AdamW states (``optimizer.*``, with the shared 8-bit code maps of their device),
+    and the shared dequantization buffer of each device (``workspace``, once it exists). Tensors a
+    parameter-walking measure (``measure_storage``, PyTorch's memory tracker) cannot see by itself."""
+    from deepspeed_ppq.quant.linear import QuantLinear, workspace_tensors
+    from deepspeed_ppq.quant.master_free import _QMAPS
+
+    out: list[tuple[str, torch.Tensor]] = []
+    devices, qmap_devices = set(), set()
+    for mod in model.modules():
+        if not isinstance(mod, QuantLinear):
+            continue
+        devices.add(str(mod.qweight.qdata.device))
+        for name, t in mod.qweight.storage_tensors().items():
+            out.append((f"weights.{mod.format.value}.{'codes' if name == 'qdata' else 'scales'}", t))
+        if mod.master_free:
+            if mod.weight_grad is not None:
+                out.append(("gradients", mod.weight_grad))
+            for key, t in mod.optim_state.items():
+                if key.startswith("absmax"):
+                    out.append(("optimizer.absmax", t))
+                elif t.dtype == torch.uint8:
+                    out.append(("optimizer.state_8bit", t))
+                    qmap_devices.add(str(t.device))
+                else:
+                    out.append(("optimizer.state", t))
+    for dev in qmap_devices:
+        out += [("optimizer.qmap", t) for t in _QMAPS.get(dev, ())]
+    out += [("workspace", t) for (_dtype, dev), t in workspace_tensors().items() if dev in devices]
+    return out
 
 
 def _tensors_in(obj, depth: int = 4, _seen: set | None = None):

@@ -24,10 +24,10 @@ Two modes (``WeightsConfig.mode``):
 
 Memory (see ``quant.ledger``): "train" keeps master (4 B/value) + codes + scales + the master's
 gradient and optimizer state; "frozen" keeps codes + scales and the small adapters. The dequantized
-weight lives only for the duration of one matmul, in a buffer shared by all layers of the same shape,
+weight lives only for the duration of one matmul, in a buffer shared by all low-bit layers of the same
 dtype and device (``_workspace``) -- the forward and backward of different layers never overlap. So a
-process keeps one dense buffer per distinct low-bit weight shape and compute dtype (the ledger's
-``workspace`` category; ``clear_workspace()`` frees them).
+process keeps one dense buffer per compute dtype and device, as large as its largest low-bit weight
+(the ledger's ``workspace`` category; ``clear_workspace()`` frees them).
 
 ``convert_model(model, policy)`` swaps the ``nn.Linear`` layers the precision policy selects.
 """
@@ -60,16 +60,17 @@ _WORKSPACE: dict[tuple, torch.Tensor] = {}
 
 
 def _workspace(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A dense buffer reused for every dequantization of this shape/dtype/device."""
-    key = (tuple(shape), dtype, str(device))
+    """A view of the one dense buffer of this dtype/device, grown to the largest weight asked for."""
+    key, n = (dtype, str(device)), math.prod(shape)
     buf = _WORKSPACE.get(key)
-    if buf is None:
-        buf = _WORKSPACE[key] = torch.empty(shape, dtype=dtype, device=device)
-    return buf
+    if buf is None or buf.numel() < n:
+        buf = _WORKSPACE[key] = torch.empty(n, dtype=dtype, device=device)
+    return buf[:n].view(shape)
 
 
 def workspace_tensors() -> dict[tuple, torch.Tensor]:
-    """The shared dequantization buffers: ``(shape, dtype, device) -> tensor`` (for the ledger)."""
+    """The shared dequantization buffers: ``(dtype, device) -> tensor`` (for the ledger and the
+    memory tracker)."""
     return dict(_WORKSPACE)
 
 
