@@ -449,7 +449,7 @@ def autotune(model, loss_fn=None, train_data=None, val_data=None, config=None, *
     """
     import deepspeed
 
-    from deepspeed_ppq.integrations.deepspeed import _resolve_ds_config
+    from deepspeed_ppq.integrations.ds_setup import _resolve_ds_config
 
     if train_data is None:
         raise PPQConfigError("autotune needs train_data: a map-style dataset of (inputs, labels)")
@@ -582,7 +582,7 @@ def _run(ns) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     kw = _run_script(ns.script, script_args)
-    from deepspeed_ppq.integrations.deepspeed import _resolve_ds_config
+    from deepspeed_ppq.integrations.ds_setup import _resolve_ds_config
 
     ds_config = copy.deepcopy(_resolve_ds_config(kw.get("args"), kw.get("config"), kw.get("config_params")))
     ppq = dict(ds_config.get("ppq") or {})
