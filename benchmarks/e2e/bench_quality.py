@@ -1,6 +1,6 @@
 """Reduced-scale reproduction of the activation/gradient compression study, in three settings.
 
-The study (see /work/shared/notes/method.md and docs/method.md) compressed activations and gradients at
+The study (see docs/method.md) compressed activations and gradients at
 the 3 boundaries of a 4-stage pipeline, simulated in one process. This benchmark does the same with
 ``compressed_boundary`` (the single-process reference that the distributed engines must match) in:
 
@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # quality_cnn
 
-from deepspeed_ppq.config import AQSGDConfig, CodecConfig  # noqa: E402
+from deepspeed_ppq.config import AQSGDConfig, CodecConfig, PPQConfig  # noqa: E402
 from deepspeed_ppq.data import TokenDataset, build_token_datasets, load_corpus  # noqa: E402
 from deepspeed_ppq.models import GPTConfig, gpt_layers, gpt_loss  # noqa: E402
 
@@ -104,7 +104,8 @@ def study_cases(noise_seeds: int = 2, topk30: bool = False, fine: str = "per-tok
 
 
 class Boundary(nn.Module):
-    """A pipeline boundary in one process: activations compressed forward, gradients backward.
+    """A pipeline boundary in one process: activations compressed forward, gradients backward, through
+    the channel the engines use (``compress.BoundaryChannel``, single-process side ``"both"``).
 
     At evaluation ``compress`` picks between the activation codec (stateless, as the engines run it
     when ``compress_eval`` is on) and no codec at all, whatever the config's default.
@@ -112,18 +113,15 @@ class Boundary(nn.Module):
 
     def __init__(self, name: str, act: CodecConfig, grad: CodecConfig, aqsgd: AQSGDConfig | None):
         super().__init__()
-        from deepspeed_ppq.compress import BoundaryDecoder, BoundaryEncoder
+        from deepspeed_ppq.compress import BoundaryChannel
 
         self.name = name
-        self.act, self.grad = act, grad
+        self.act = act
         self.enabled = act.enabled or grad.enabled
-        self.act_enc = BoundaryEncoder(act, name=f"{name}.act", aqsgd=aqsgd)
-        self.act_dec = BoundaryDecoder(act, name=f"{name}.act", aqsgd=aqsgd)
-        self.grad_enc = BoundaryEncoder(grad, name=f"{name}.grad", direction="gradients")
-        self.grad_dec = BoundaryDecoder(grad, name=f"{name}.grad", direction="gradients")
+        ppq = PPQConfig(activations=act, gradients=grad, aqsgd=aqsgd or AQSGDConfig())
+        self.channel = BoundaryChannel(ppq, label=name)
         eval_act = act.model_copy(update={"compress_eval": True})
-        self.eval_enc = BoundaryEncoder(eval_act, name=f"{name}.act.eval")
-        self.eval_dec = BoundaryDecoder(eval_act, name=f"{name}.act.eval")
+        self.eval_channel = BoundaryChannel(PPQConfig(activations=eval_act), label=f"{name} eval")
         self.compress = True
         self.sample_ids: torch.Tensor | None = None
 
@@ -133,11 +131,10 @@ class Boundary(nn.Module):
         if not self.enabled:
             return x
         if self.training:
-            return compressed_boundary(x, self.act_enc, self.act_dec, self.grad_enc, self.grad_dec,
-                                       sample_ids=self.sample_ids, training=True)
+            return compressed_boundary(x, self.channel, sample_ids=self.sample_ids)
         if not (self.compress and self.act.enabled):
             return x
-        return compressed_boundary(x, self.eval_enc, self.eval_dec, None, None, training=False)
+        return compressed_boundary(x, self.eval_channel, training=False)
 
 
 def boundary_positions(n_layers: int, stages: int = 4) -> list[int]:
