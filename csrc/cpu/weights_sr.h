@@ -1,0 +1,315 @@
+// Stochastic-rounding quantization of one block of weights (int8 / fp8 e4m3 / fp8 e5m2), shared by
+// weights_sr.cpp (ppq::weight_quantize_sr_out) and master_free.cpp (the fused master-free update).
+// The design note is weights_sr.cpp's; the math is deepspeed_ppq/quant/sr_ops.py's.
+//
+// Block-local: every function takes the block's first value, code and random counter
+// (counter = the draw's offset + the block's flat index), so a caller may hand over a stack buffer.
+// Header-only and inline, compiled into each CPU variant with that variant's flags (isa.h).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include "avx2.h"
+#include "avx512.h"
+#include "fp8.h"
+#include "isa.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#if PPQ_ISA_AVX512 || PPQ_ISA_AVX2
+#include <immintrin.h>
+#endif
+
+namespace ppq::sr {
+
+namespace fp8 = ppq::fp8;
+
+enum class Fmt { I8, E4M3, E5M2 };
+
+inline float qmax(Fmt f) { return f == Fmt::I8 ? 127.0f : f == Fmt::E4M3 ? 448.0f : 57344.0f; }
+
+inline uint32_t hash32(uint32_t x) {  // "lowbias32"
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+inline float load(const void* x, bool bf16, int64_t i) {
+  return bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(x)[i]) : static_cast<const float*>(x)[i];
+}
+
+// Magnitude a in [0, Q] -> stochastic fp8 code with the sign of y. ENC/DEC: the fp8.h conversions.
+template <uint8_t (*ENC)(float), float (*DEC)(uint8_t)>
+inline uint8_t sr_fp8(float y, float a, float u, int top) {
+  const int c = ENC(a);
+  const float v = DEC(static_cast<uint8_t>(c));
+  const int lo_c = v > a ? c - 1 : c;
+  const int hi_c = lo_c >= top ? lo_c : lo_c + 1;
+  const float lo = DEC(static_cast<uint8_t>(lo_c));
+  const float hi = DEC(static_cast<uint8_t>(hi_c));
+  const int q = u * (hi - lo) < a - lo ? hi_c : lo_c;
+  return static_cast<uint8_t>(y < 0.0f ? (q | 0x80) : q);
+}
+
+#if PPQ_ISA_AVX512
+// sr_fp8 for 16 values: y clamped to [-Q, Q], a = |y|, u uniforms.
+template <bool E4M3>
+inline __m128i sr_fp8_16(__m512 y, __m512 a, __m512 u) {
+  using ppq::avx512::fp8_rne16;
+  using ppq::avx512::fp8_value16;
+  const __m512i top = _mm512_set1_epi32(E4M3 ? 0x7E : 0x7B), one = _mm512_set1_epi32(1);
+  const __m512i c = fp8_rne16<E4M3>(a);
+  const __m512i lo_c = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(fp8_value16<E4M3>(c), a, _CMP_GT_OQ), c, one);
+  const __m512i hi_c = _mm512_min_epi32(_mm512_add_epi32(lo_c, one), top);
+  const __m512 lo = fp8_value16<E4M3>(lo_c), hi = fp8_value16<E4M3>(hi_c);
+  const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, _mm512_sub_ps(hi, lo)), _mm512_sub_ps(a, lo), _CMP_LT_OQ);
+  __m512i q = _mm512_mask_blend_epi32(up, lo_c, hi_c);
+  q = _mm512_mask_or_epi32(q, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ), q, _mm512_set1_epi32(0x80));
+  return _mm512_cvtepi32_epi8(q);
+}
+#endif
+
+#if PPQ_ISA_AVX2
+// sr_fp8 for 8 values (the AVX-512 sr_fp8_16 on 8 lanes): codes in the low byte of each 32-bit lane.
+template <bool E4M3>
+PPQ_ALWAYS_INLINE inline __m256i sr_fp8_8(__m256 y, __m256 a, __m256 u) {
+  using ppq::avx2::fp8_rne8;
+  using ppq::avx2::fp8_value8;
+  const __m256i top = _mm256_set1_epi32(E4M3 ? 0x7E : 0x7B), one = _mm256_set1_epi32(1);
+  const __m256i c = fp8_rne8<E4M3>(a);
+  const __m256i lo_c = _mm256_add_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(fp8_value8<E4M3>(c), a, _CMP_GT_OQ)));
+  const __m256i hi_c = _mm256_min_epi32(_mm256_add_epi32(lo_c, one), top);
+  const __m256 lo = fp8_value8<E4M3>(lo_c), hi = fp8_value8<E4M3>(hi_c);
+  const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(u, _mm256_sub_ps(hi, lo)), _mm256_sub_ps(a, lo), _CMP_LT_OQ);
+  const __m256i q = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(lo_c), _mm256_castsi256_ps(hi_c), up));
+  const __m256 neg = _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_LT_OQ);
+  return _mm256_or_si256(q, _mm256_and_si256(_mm256_castps_si256(neg), _mm256_set1_epi32(0x80)));
+}
+
+PPQ_ALWAYS_INLINE inline __m256i hash8(__m256i x) {  // hash32 on 8 lanes
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(int32_t(0x7feb352du)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(int32_t(0x846ca68bu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+#endif
+
+// max |x| over len values; *bad: some are NaN/Inf.
+inline float block_absmax(const void* x, bool bf16, int64_t len, bool* bad) {
+  float m = 0.0f;
+  bool b = false;
+  int64_t i = 0;
+#if PPQ_ISA_AVX512 || PPQ_ISA_AVX2
+  // an integer-bits max over the whole multiple of 16 (NaN/Inf: bits >= 0x7f800000); a scalar max chain
+  // here cost as much as the whole encode
+  uint32_t mb = 0;
+  if (const int64_t n16 = len & ~int64_t(15); n16 > 0) {
+#if PPQ_ISA_AVX512
+    namespace v = ppq::avx512;
+#else
+    namespace v = ppq::avx2;
+#endif
+    mb = bf16 ? v::absmax_bits(static_cast<const uint16_t*>(x), n16) : v::absmax_bits(static_cast<const float*>(x), n16);
+    i = n16;
+  }
+  b = mb >= 0x7f800000u;
+  if (!b) std::memcpy(&m, &mb, sizeof(m));
+#endif
+  for (; i < len; ++i) {
+    const float v = load(x, bf16, i);
+    b |= !std::isfinite(v);
+    m = std::max(m, std::fabs(v));
+  }
+  *bad = b;
+  return m;
+}
+
+inline float stored_scale(float absmax, bool bad, float q, bool scale_bf16) {
+  float s = bad ? std::numeric_limits<float>::quiet_NaN() : absmax / q;
+  if (scale_bf16) s = static_cast<float>(c10::BFloat16(s));
+  return s;
+}
+
+// Random numbers of counters c0 .. c0 + len - 1 (len <= 4096) into u: a pure 32-bit integer loop. The
+// 64-bit counter c0 + j is split as base + j with j < 2^32, so the high word only needs a carry.
+inline void block_uniforms(uint64_t c0, int64_t len, uint32_t key, float* __restrict u) {
+  const uint32_t blo = static_cast<uint32_t>(c0), bhi = static_cast<uint32_t>(c0 >> 32);
+  for (uint32_t j = 0; j < static_cast<uint32_t>(len); ++j) {
+    const uint32_t lo = blo + j;
+    const uint32_t hi = bhi + (lo < blo ? 1u : 0u);
+    const uint32_t r = hash32(hash32(lo ^ key) ^ hi);
+    u[j] = static_cast<float>(static_cast<int32_t>(r >> 8)) * 5.9604644775390625e-08f;  // 2^-24
+  }
+}
+
+// int8 codes of one block from fp32 values and their uniforms. GCC left the plain loop scalar with a
+// branch on the sign (random: half mispredicted), ~7 ns per value; AVX-512 runs 16 at a time.
+inline void encode_int8(const float* __restrict xf, const float* __restrict u, int8_t* __restrict out, int64_t len,
+                        float inv, float q) {
+  int64_t j = 0;
+#if PPQ_ISA_AVX512
+  {
+    const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-q), hi = _mm512_set1_ps(q);
+    const __m512i one = _mm512_set1_epi32(1);
+    for (; j + 16 <= len; j += 16) {
+      const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(xf + j), vinv), lo), hi);
+      const __m512 a = _mm512_abs_ps(y);
+      const __m512i l = _mm512_cvttps_epi32(a);  // truncation = floor for a >= 0
+      const __m512 frac = _mm512_sub_ps(a, _mm512_cvtepi32_ps(l));
+      __m512i k = _mm512_mask_add_epi32(l, _mm512_cmp_ps_mask(_mm512_loadu_ps(u + j), frac, _CMP_LT_OQ), l, one);
+      k = _mm512_mask_sub_epi32(k, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_si512(), k);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(k));
+    }
+  }
+#endif
+  for (; j < len; ++j) {
+    const float y = std::min(std::max(xf[j] * inv, -q), q);
+    const float a = std::fabs(y);
+    const int32_t lo = static_cast<int32_t>(a);  // truncation = floor for a >= 0
+    const int32_t k = lo + static_cast<int32_t>(u[j] < a - static_cast<float>(lo));
+    out[j] = static_cast<int8_t>(y < 0.0f ? -k : k);
+  }
+}
+
+// The block in two passes: the random numbers first (a pure integer loop), then the codes; bf16 input
+// widened into a stack buffer first. The scalar module's path, AVX-512's, and the tails of AVX2's.
+template <Fmt F, bool BF16>
+__attribute__((noinline)) void encode_buffered(const void* x, int64_t len, float inv, uint64_t c0, uint32_t key,
+                                               uint8_t* codes) {
+  alignas(64) float u[4096];
+  alignas(64) float wide[4096];
+  block_uniforms(c0, len, key, u);
+  const float* xf = static_cast<const float*>(x);
+  if constexpr (BF16) {
+    const c10::BFloat16* xb = static_cast<const c10::BFloat16*>(x);
+    for (int64_t j = 0; j < len; ++j) wide[j] = static_cast<float>(xb[j]);
+    xf = wide;
+  }
+  if constexpr (F == Fmt::I8) {
+    encode_int8(xf, u, reinterpret_cast<int8_t*>(codes), len, inv, 127.0f);
+  } else {
+    const float q = qmax(F);
+    int64_t j = 0;
+#if PPQ_ISA_AVX512
+    {  // the loop below, 16 at a time
+      const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-q), hi = _mm512_set1_ps(q);
+      for (; j + 16 <= len; j += 16) {
+        const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(xf + j), vinv), lo), hi);
+        const __m128i c = sr_fp8_16<F == Fmt::E4M3>(y, _mm512_abs_ps(y), _mm512_loadu_ps(u + j));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j), c);
+      }
+    }
+#endif
+    for (; j < len; ++j) {
+      const float y = std::min(std::max(xf[j] * inv, -q), q);
+      const float a = std::fabs(y);
+      codes[j] = F == Fmt::E4M3 ? sr_fp8<fp8::f32_to_e4m3, fp8::e4m3_to_f32>(y, a, u[j], 0x7E)
+                                : sr_fp8<fp8::f32_to_e5m2, fp8::e5m2_to_f32>(y, a, u[j], 0x7B);
+    }
+  }
+}
+
+#if PPQ_ISA_AVX2
+// The AVX2 path of one block, fused: the random numbers are made in-register next to the codes (no
+// buffer pass), input read straight from fp32 or bf16, 16 values per iteration (two 8-lane chains; four
+// spilled registers: AVX2 has 16). CARRY: the block's counters cross a multiple of 2^32, so the high
+// word needs the carry (one block in 2^32 / 4096 at most); otherwise the high word is the block's.
+// Handles the first multiple of 16 values and returns how many; encode_buffered() does the rest.
+template <Fmt F, bool BF16, bool CARRY>
+PPQ_ALWAYS_INLINE inline int64_t encode_fused_avx2(const void* x, int64_t len, float inv, uint64_t c0, uint32_t key,
+                                                   uint8_t* codes) {
+  using T = std::conditional_t<BF16, uint16_t, float>;
+  const int64_t n16 = len & ~int64_t(15);
+  const __m256i vblo = _mm256_set1_epi32(int32_t(uint32_t(c0))), vbhi = _mm256_set1_epi32(int32_t(uint32_t(c0 >> 32)));
+  const __m256i vkey = _mm256_set1_epi32(int32_t(key)), bias = _mm256_set1_epi32(int32_t(0x80000000u));
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  auto uniforms8 = [&](int64_t j) PPQ_ALWAYS_INLINE {
+    const __m256i lo = _mm256_add_epi32(vblo, _mm256_add_epi32(_mm256_set1_epi32(int32_t(j)), lane));
+    __m256i hi = vbhi;
+    if constexpr (CARRY) {  // lo < blo (unsigned): the counter wrapped into the next 2^32
+      hi = _mm256_sub_epi32(hi, _mm256_cmpgt_epi32(_mm256_xor_si256(vblo, bias), _mm256_xor_si256(lo, bias)));
+    }
+    const __m256i r = hash8(_mm256_xor_si256(hash8(_mm256_xor_si256(lo, vkey)), hi));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 8)), _mm256_set1_ps(5.9604644775390625e-08f));
+  };
+  const T* xp = static_cast<const T*>(x);
+  const float q = qmax(F);
+  const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-q), hi = _mm256_set1_ps(q);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  auto code8 = [&](int64_t i) PPQ_ALWAYS_INLINE {
+    const __m256 y = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(ppq::avx2::load8(xp + i), vinv), lo), hi);
+    const __m256 a = _mm256_and_ps(y, abs_mask);
+    const __m256 u = uniforms8(i);
+    if constexpr (F == Fmt::I8) {  // encode_int8's lanes
+      const __m256i l = _mm256_cvttps_epi32(a);
+      const __m256 frac = _mm256_sub_ps(a, _mm256_cvtepi32_ps(l));
+      const __m256i k = _mm256_sub_epi32(l, _mm256_castps_si256(_mm256_cmp_ps(u, frac, _CMP_LT_OQ)));
+      const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_LT_OQ));
+      return _mm256_sub_epi32(_mm256_xor_si256(k, neg), neg);  // y < 0: -k
+    } else {
+      return sr_fp8_8<F == Fmt::E4M3>(y, a, u);
+    }
+  };
+  for (int64_t j = 0; j < n16; j += 16)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j), ppq::avx2::bytes16(code8(j), code8(j + 8)));
+  return n16;
+}
+#endif
+
+// Codes of one block x[0 .. len) with inverse scale inv (finite: the block had no NaN/Inf).
+template <Fmt F, bool BF16>
+inline void encode_t(const void* x, int64_t len, float inv, bool finite, uint64_t c0, uint32_t key, uint8_t* codes) {
+  if (!finite) {  // a block with NaN/Inf: zero codes (the NaN scale marks it)
+    std::memset(codes, 0, static_cast<size_t>(len));
+    return;
+  }
+  int64_t done = 0;
+#if PPQ_ISA_AVX2
+  const bool carry = static_cast<uint64_t>(static_cast<uint32_t>(c0)) + static_cast<uint64_t>(len) > 0xffffffffull;
+  done = carry ? encode_fused_avx2<F, BF16, true>(x, len, inv, c0, key, codes)
+               : encode_fused_avx2<F, BF16, false>(x, len, inv, c0, key, codes);
+#endif
+  if (done < len) {
+    using T = std::conditional_t<BF16, uint16_t, float>;
+    encode_buffered<F, BF16>(static_cast<const T*>(x) + done, len - done, inv, c0 + static_cast<uint64_t>(done),
+                             key, codes + done);
+  }
+}
+
+// inv = min(1 / s, FLT_MAX), 0 when s == 0 (sr_ops.py).
+inline float inverse_scale(float s) {
+  const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+  return std::min(inv, std::numeric_limits<float>::max());
+}
+
+template <bool BF16>
+inline void encode(Fmt f, const void* x, int64_t len, float s, uint64_t c0, uint32_t key, uint8_t* codes) {
+  const bool finite = std::isfinite(s);
+  const float inv = inverse_scale(s);
+  switch (f) {
+    case Fmt::I8: encode_t<Fmt::I8, BF16>(x, len, inv, finite, c0, key, codes); break;
+    case Fmt::E4M3: encode_t<Fmt::E4M3, BF16>(x, len, inv, finite, c0, key, codes); break;
+    default: encode_t<Fmt::E5M2, BF16>(x, len, inv, finite, c0, key, codes); break;
+  }
+}
+
+// One block quantized with its own scale: returns the stored scale (NaN for a block with NaN/Inf).
+template <bool BF16>
+inline float quantize_block(Fmt f, const void* x, int64_t len, bool scale_bf16, uint64_t c0, uint32_t key,
+                            uint8_t* codes) {
+  bool bad = false;
+  const float absmax = block_absmax(x, BF16, len, &bad);  // sets bad: sequence before use
+  const float s = stored_scale(absmax, bad, qmax(f), scale_bf16);
+  encode<BF16>(f, x, len, s, c0, key, codes);
+  return s;
+}
+
+}  // namespace ppq::sr
