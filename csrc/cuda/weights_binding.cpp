@@ -1,9 +1,7 @@
 // Torch binding of csrc/cuda/weights.cu: the ppq::weight_* ops on CUDA tensors.
 // Built only where PyTorch has CUDA (setup.py). Checks mirror csrc/cpu/weights.cpp: each names the
 // argument, the value and what is allowed.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -11,13 +9,7 @@
 #include <string>
 #include <string_view>
 
-namespace ppq_cuda {
-cudaError_t weight_quantize(const void* x, bool x_bf16, int64_t n, int fmt, int64_t B, uint8_t* codes,
-                            void* scales, bool scale_bf16, bool per_tensor, bool given_scales,
-                            uint32_t* gmax_scratch, cudaStream_t stream);
-cudaError_t weight_dequantize(const uint8_t* codes, const void* scales, bool scale_bf16, bool per_tensor, int fmt,
-                              int64_t B, int64_t n, void* out, bool out_bf16, cudaStream_t stream);
-}  // namespace ppq_cuda
+#include "binding.h"
 
 namespace {
 
@@ -71,7 +63,7 @@ void run_quantize(const at::Tensor& x, int f, int64_t B, at::Tensor& codes, at::
   auto err = ppq_cuda::weight_quantize(
       x.data_ptr(), x.scalar_type() == at::kBFloat16, x.numel(), f, B, static_cast<uint8_t*>(codes.data_ptr()),
       scales.data_ptr(), scales.scalar_type() == at::kBFloat16, scales.numel() == 1, given,
-      static_cast<uint32_t*>(scratch.data_ptr()), at::cuda::getCurrentCUDAStream());
+      static_cast<uint32_t*>(scratch.data_ptr()), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "weight_quantize CUDA kernel failed: ", cudaGetErrorString(err));
 }
 
@@ -108,7 +100,7 @@ void weight_dequantize_out(const at::Tensor& codes, const at::Tensor& scales, c1
   auto err = ppq_cuda::weight_dequantize(static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
                                          scales.scalar_type() == at::kBFloat16, scales.numel() == 1, f, B, n,
                                          out.data_ptr(), out.scalar_type() == at::kBFloat16,
-                                         at::cuda::getCurrentCUDAStream());
+                                         c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "weight_dequantize CUDA kernel failed: ", cudaGetErrorString(err));
 }
 

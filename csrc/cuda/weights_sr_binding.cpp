@@ -1,19 +1,13 @@
 // Torch binding of csrc/cuda/weights_sr.cu: ppq::weight_quantize_sr_out on CUDA tensors.
 // Built only where PyTorch has CUDA (setup.py). Checks mirror csrc/cpu/weights_sr.cpp.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <string>
 #include <string_view>
 
-namespace ppq_cuda {
-cudaError_t weight_quantize_sr(const void* x, bool x_bf16, int64_t n, int fmt, int64_t B, uint8_t* codes,
-                               void* scales, bool scale_bf16, bool per_tensor, uint32_t seed, uint64_t offset,
-                               uint32_t* gmax_scratch, cudaStream_t stream);
-}  // namespace ppq_cuda
+#include "binding.h"
 
 namespace {
 
@@ -53,7 +47,7 @@ void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B
   auto err = ppq_cuda::weight_quantize_sr(
       x.data_ptr(), x.scalar_type() == at::kBFloat16, n, f, B, static_cast<uint8_t*>(codes.data_ptr()),
       scales.data_ptr(), scales.scalar_type() == at::kBFloat16, per_tensor, static_cast<uint32_t>(seed),
-      static_cast<uint64_t>(offset), static_cast<uint32_t*>(scratch.data_ptr()), at::cuda::getCurrentCUDAStream());
+      static_cast<uint64_t>(offset), static_cast<uint32_t*>(scratch.data_ptr()), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "weight_quantize_sr CUDA kernel failed: ", cudaGetErrorString(err));
 }
 
