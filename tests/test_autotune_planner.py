@@ -52,6 +52,8 @@ def _layer(rng: random.Random, name: str, kind: str, params: int, flops: float) 
         saved_bytes={f: int(rng.uniform(2, 6) * 4096) if kind != "embed" else 512 for f in allowed},
         input_bytes=4096,
         output_bytes=4096,
+        # the largest low-bit weight's dequantization buffer: a stage holds the largest of its layers'
+        workspace_bytes={f: 2 * params for f in allowed if f != "none"},
     )
 
 
@@ -422,3 +424,29 @@ def test_back_off_gives_masters_back_first():
     assert prob.master_free == [False]
     plan.master_free = False
     assert "int8 removed" in back_off(plan, prob)
+
+
+def test_ladder_spends_freed_memory_on_fewer_stages():
+    """When the tuned plan runs fewer pipeline stages than the best stock configuration, the fill rung
+    is that degree, cut as stock DeepSpeed cuts it, with the tuned micro-batches; the rungs climb one
+    feature at a time from the stock configuration to the tuned plan."""
+    from deepspeed_ppq.autotune.loop import ladder_plans
+    from deepspeed_ppq.integrations.autotune import deepspeed_partitions
+
+    prob = _problem(3, 6, world_size=2, global_batch=8, pipeline_degrees=[1, 2])
+    counts = [layer.params for layer in prob.layers]
+    partitions = {p: {"parameters": deepspeed_partitions(counts, p)["parameters"]} for p in (1, 2)}
+    base = best_stock(prob, {2: partitions[2]})
+    k = _knobs(1, 2, 2, optimizer_8bit=True)
+    tuned_stages = solve_partition(prob, k)[1]
+    from deepspeed_ppq.autotune.planner import _to_plan
+
+    tuned = _to_plan(prob, k, tuned_stages, evaluate_stages(prob, k, tuned_stages), ["tuned"])
+    rungs = ladder_plans(prob, base, tuned, partitions)
+    labels = [label for label, _ in rungs]
+    assert labels[0].startswith("+ low-bit weights")
+    assert rungs[0][1].pipeline_degree == 2 and rungs[0][1].boundaries == base.boundaries
+    fill = next(plan for label, plan in rungs if "2 -> 1 pipeline stages" in label)
+    assert fill.pipeline_degree == 1 and fill.boundaries == [0, 6]
+    assert (fill.micro_batch_size, fill.num_microbatches) == (2, 2)
+    assert rungs[-1][1] is tuned

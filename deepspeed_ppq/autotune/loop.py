@@ -215,12 +215,15 @@ def same_configuration(a: Plan, b: Plan) -> bool:
     return key(a) == key(b)
 
 
-def ladder_plans(problem: PlanningProblem, base: Plan, tuned: Plan) -> list[tuple[str, Plan]]:
+def ladder_plans(problem: PlanningProblem, base: Plan, tuned: Plan,
+                 partitions: dict[int, dict[str, list[int]]] | None = None) -> list[tuple[str, Plan]]:
     """The rungs between the best stock configuration and the tuned plan, one feature at a time:
     low-bit weights (and the tuned plan's optimizer states) at the stock schedule and partition; then
-    the tuned micro-batches and recomputation (the freed memory spent on fill) at the stock partition;
-    then the tuned partition (re-balanced for the stages' new costs); then the tuned codecs. A rung
-    the model cannot express (a format the tuned optimizer setting does not allow) is left out."""
+    the freed memory spent on fill: the tuned micro-batches and recomputation at the stock partition,
+    or, where the tuned plan runs fewer pipeline stages, that degree cut the way stock DeepSpeed would
+    cut it (``partitions``: degree -> method -> boundaries, the stock method's cut); then the tuned
+    partition (re-balanced for the stages' new costs); then the tuned codecs. A rung the model cannot
+    express (a format the tuned optimizer setting does not allow) is left out."""
     from deepspeed_ppq.autotune.planner import Knobs, StageChoice, _to_plan, evaluate_stages
 
     low = [f for f in tuned.layer_formats if f != "none"]
@@ -245,6 +248,15 @@ def ladder_plans(problem: PlanningProblem, base: Plan, tuned: Plan) -> list[tupl
             rungs.append(("+ freed memory spent on fill (micro-batches, recomputation)",
                           make("ladder: fill", base.pipeline_degree, tuned.micro_batch_size,
                                tuned.num_microbatches, base.boundaries, rec_tuned, False)))
+        else:  # fewer (or more) stages: the stock cut of that degree, by the baseline's method
+            methods = (partitions or {}).get(base.pipeline_degree, {})
+            method = next((name for name, cut in methods.items() if cut == base.boundaries), None)
+            cuts = (partitions or {}).get(tuned.pipeline_degree, {})
+            bounds = cuts.get(method) or next(iter(cuts.values()), tuned.boundaries)
+            rungs.append((f"+ freed memory spent on fill ({base.pipeline_degree} -> {tuned.pipeline_degree} "
+                          "pipeline stages, micro-batches, recomputation)",
+                          make("ladder: fill", tuned.pipeline_degree, tuned.micro_batch_size,
+                               tuned.num_microbatches, bounds, rec_tuned, False)))
         rungs.append(("+ re-balanced stage boundaries",
                       make("ladder: re-balanced", tuned.pipeline_degree, tuned.micro_batch_size,
                            tuned.num_microbatches, tuned.boundaries, rec_tuned, False)))
@@ -468,7 +480,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         base_run["quality_val_loss"] = seed_losses[0]
         ladder.append({"rung": "best stock configuration", "plan": base.to_dict(), "run": base_run})
         previous = base
-        for label, rung in ladder_plans(problem, base, accepted[0]):
+        for label, rung in ladder_plans(problem, base, accepted[0], partitions):
             if same_configuration(rung, previous):
                 continue  # this feature changes nothing here
             previous = rung
