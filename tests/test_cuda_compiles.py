@@ -40,6 +40,10 @@ CPP_FILES = sorted((ROOT / "csrc" / "cuda").glob("*.cpp"))
 ARCHS = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
+# ops with a C++ CPU kernel and, on purpose, no CUDA kernel yet (on CUDA they run the reference): name -> why
+CPU_ONLY = {
+    "master_free_adamw_step_": "fused master-free AdamW step, new; its CUDA kernel is still to be written",
+}
 # Written into <tmp>/c10/cuda/impl/cuda_cmake_macros.h; see the module docstring.
 CMAKE_MACROS_SHIM = "#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n"
 
@@ -141,6 +145,7 @@ def test_extension_links_but_for_cpython_and_c10_cuda(cu_objects, cpp_objects, b
 
 
 def test_every_cpu_kernel_has_a_cuda_binding():
+    """GPU completeness: an op with a C++ CPU kernel has a CUDA one too, or is listed in CPU_ONLY."""
     import deepspeed_ppq.compress.ops  # noqa: F401  (declare the ops)
     import deepspeed_ppq.quant.adam8bit  # noqa: F401
     import deepspeed_ppq.quant.ops  # noqa: F401
@@ -155,7 +160,11 @@ def test_every_cpu_kernel_has_a_cuda_binding():
         text = src.read_text()
         if "TORCH_LIBRARY_IMPL(ppq, CUDA" in text:
             bound |= set(re.findall(r'm\.impl\("(\w+)"', text))
-    assert with_cpu <= bound, f"ops with a CPU kernel but no CUDA binding: {sorted(with_cpu - bound)}"
+    missing = sorted(with_cpu - bound - set(CPU_ONLY))
+    assert not missing, (f"ops with a CPU kernel but no CUDA binding: {missing}; write one (csrc/README.md, "
+                         "'How to add a CUDA kernel') or list the op in CPU_ONLY with the reason")
+    stale = sorted(set(CPU_ONLY) & bound)
+    assert not stale, f"{stale} now have a CUDA binding: remove them from CPU_ONLY"
 
 
 def test_there_are_cuda_kernels():
