@@ -98,6 +98,77 @@ def test_cuda_kernel_equals_reference(fmt, per_tensor):
         assert torch.equal(s.cpu(), s_ref)
 
 
+# --- the fused master-free update (dequantize -> AdamW -> SR) ----------------------------------------
+
+
+def _fused_case(fmt, n, block_size, state_8bit, scale_dtype, seed=0):
+    """Codes/scales of a random weight and moments after a few steps' worth of values."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))
+    codes, scales = weight_quantize_sr(w, fmt, block_size, 3, 0, scale_dtype=scale_dtype)
+    grad = torch.randn(n, generator=g) * 1e-2
+    grad[::31] = 0.0
+    if state_8bit:
+        nb = -(-n // 256)
+        states = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for _ in range(2)]
+        states += [torch.rand(nb, generator=g) * 1e-2, torch.rand(nb, generator=g) * 1e-4, *_QMAPS]
+    else:
+        states = [torch.randn(n, generator=g) * 1e-2, torch.rand(n, generator=g) * 1e-4]
+        states += [torch.empty(0)] * 4
+    return [codes, scales, grad, *states]
+
+
+_QMAPS = []
+
+
+@pytest.mark.skipif(not has_kernel("master_free_adamw_step_"), reason="needs the C++ extension (make build)")
+@pytest.mark.parametrize("state_8bit", [False, True])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", SR_FORMATS)
+@pytest.mark.parametrize("n,block_size", [(5, 16), (1000, 64), (70_000 + 77, 64), (9000, 4096)])
+def test_fused_update_equals_reference_bit_for_bit(fmt, scale_dtype, state_8bit, n, block_size):
+    """One op = dequantize, AdamW (fp32 or 8-bit moments), SR re-quantize, as the reference does them:
+    codes, scales and states equal bit for bit over three steps, partial last blocks and chunks, the
+    SR counter past 2^32."""
+    from deepspeed_ppq.ops import registered_ops
+
+    if state_8bit and not _QMAPS:
+        bnbf = pytest.importorskip("bitsandbytes.functional")
+        _QMAPS.extend([bnbf.create_dynamic_map(signed=True), bnbf.create_dynamic_map(signed=False)])
+    ref = registered_ops()["master_free_adamw_step_"]
+    a = _fused_case(fmt, n, block_size, state_8bit, scale_dtype)
+    b = [x.clone() for x in a]
+    for t, (wd, gs) in zip((1, 2, 3), [(0.0, 1.0), (0.1, 0.5), (0.01, 1.0)]):
+        hyper = (0.9, 0.999, 1e-8, t, 1e-2, wd, gs, 77, 2**32 - 1000 + t * n)
+        torch.ops.ppq.master_free_adamw_step_(a[0], a[1], fmt, block_size, *a[2:], *hyper)
+        ref(b[0], b[1], fmt, block_size, *b[2:], *hyper)
+        for name, x, y in zip(("codes", "scales", "g", "state1", "state2", "absmax1", "absmax2"), a, b):
+            assert torch.equal(x.view(torch.uint8) if x.dtype.itemsize == 1 else x,
+                               y.view(torch.uint8) if y.dtype.itemsize == 1 else y), (name, t)
+
+
+@pytest.mark.skipif(not has_kernel("master_free_adamw_step_"), reason="needs the C++ extension (make build)")
+def test_fused_update_bad_input_names_the_argument():
+    a = _fused_case("int8", 300, 64, False, torch.float32)
+    hyper = (0.9, 0.999, 1e-8, 1, 1e-2, 0.0, 1.0, 1, 0)
+    with pytest.raises(RuntimeError, match="fmt='nf4' has no master-free update"):
+        torch.ops.ppq.master_free_adamw_step_(a[0], a[1], "nf4", 64, *a[2:], *hyper)
+    with pytest.raises(RuntimeError, match="state2 has dtype Double; needs Float"):
+        bad = [*a[:4], a[4].double(), *a[5:]]
+        torch.ops.ppq.master_free_adamw_step_(bad[0], bad[1], "int8", 64, *bad[2:], *hyper)
+    with pytest.raises(RuntimeError, match="scales has 4 elements; needs 5"):
+        torch.ops.ppq.master_free_adamw_step_(a[0], a[1][:4], "int8", 64, *a[2:], *hyper)
+    with pytest.raises(RuntimeError, match="block_size=48 is not allowed"):
+        torch.ops.ppq.master_free_adamw_step_(a[0], a[1], "int8", 48, *a[2:], *hyper)
+
+
+def test_fused_update_opcheck():
+    a = _fused_case("int8", 300, 64, False, torch.float32)  # (opcheck's own checks cannot compare fp8)
+    torch.library.opcheck(torch.ops.ppq.master_free_adamw_step_.default,
+                          (a[0], a[1], "int8", 64, *a[2:], 0.9, 0.999, 1e-8, 1, 1e-2, 0.0, 1.0, 1, 0),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_opcheck():
     x = torch.randn(3, 50)
     codes, scales = torch.empty(150, dtype=torch.int8), torch.empty(3)
@@ -228,6 +299,39 @@ def test_step_is_adamw_on_the_dequantized_weight_then_sr(fmt):
         assert int(differ) <= 3, int(differ)
         assert float(layer.weight_grad.abs().max()) == 0.0  # consumed and zeroed
         assert layer.optim_step == t
+
+
+@pytest.mark.parametrize("state_8bit", [False, True])
+def test_fused_step_equals_the_three_ops(state_8bit):
+    """A layer with block scales takes the fused op; the same layer with its weight updated by the three
+    ops (dequantize, the AdamW reference, the SR op) ends with the same codes, scales and states. A
+    per-tensor fp8 scale (the three ops' path) also steps."""
+    from deepspeed_ppq.quant.adam8bit import adam8bit_step
+    from deepspeed_ppq.quant.master_free import _adamw_fp32_ref, _qmaps
+
+    layer, _ = _mf_layer("fp8_e5m2", in_f=300, out_f=70, optimizer_8bit=state_8bit)  # 21000: 8-bit states
+    twin, _ = _mf_layer("fp8_e5m2", in_f=300, out_f=70, optimizer_8bit=state_8bit)
+    layer.weight_grad = torch.randn(70, 300) * 1e-2
+    master_free_step([layer], 1e-2, weight_decay=0.1, grad_scale=0.5)
+    st = layer.optim_state
+    assert ("state1" in st) == state_8bit
+    w, g = twin.dequantized_weight(), layer.weight_grad
+    s = {k: torch.zeros_like(v) for k, v in st.items()}
+    if state_8bit:
+        adam8bit_step(w, g, s["state1"], s["state2"], s["absmax1"], s["absmax2"], *_qmaps(w.device),
+                      beta1=0.9, beta2=0.999, eps=1e-8, step=1, lr=1e-2, weight_decay=0.1, gnorm_scale=0.5)
+    else:
+        m, v = s["exp_avg"].view(-1), s["exp_avg_sq"].view(-1)
+        _adamw_fp32_ref(w.view(-1), g.view(-1), m, v, 0.9, 0.999, 1e-8, 1, 1e-2, 0.1, 0.5)
+    codes, scales = weight_quantize_sr(w, "fp8_e5m2", 64, 11, w.numel())
+    assert torch.equal(layer.qweight.qdata.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(layer.qweight.scale, scales)
+    assert all(torch.equal(st[k], s[k]) for k in st)
+    per_tensor, _ = _mf_layer("fp8_e4m3", fp8_scale="tensor", optimizer_8bit=state_8bit)
+    before = per_tensor.qweight.qdata.clone()
+    per_tensor.weight_grad = torch.randn(45, 70)
+    assert master_free_step([per_tensor], 1e-2) == 1 and per_tensor.qweight.scale.numel() == 1
+    assert not torch.equal(before.view(torch.uint8), per_tensor.qweight.qdata.view(torch.uint8))
 
 
 def test_checkpoint_resumes_bit_for_bit():

@@ -32,6 +32,11 @@ How it plugs into a training loop, plain or DeepSpeed (DeepSpeed steps only ``nn
   ``save_checkpoint``/``load_checkpoint`` (module state) carry them with no extra file.
 * Randomness: the SR draw of a layer at step ``t`` is ``(layer.sr_seed, t * numel)``; ``convert_model``
   seeds each layer with the CRC-32 of its name, so replicas and pipeline splits agree.
+* The update itself is one op, ``ppq::master_free_adamw_step_`` (dequantize, AdamW with fp32 or 8-bit
+  moments, SR re-quantize; ``csrc/cpu/master_free.cpp`` does it in one pass over the layer through an
+  L1-sized buffer, allocating nothing). Its reference is the three steps in plain PyTorch, the AdamW
+  written as ``quant.adam8bit``'s (bitsandbytes' CUDA form, square root correctly rounded); layers with
+  a per-tensor fp8 scale take the three ops (the scale needs the whole updated tensor first).
 """
 
 from __future__ import annotations
@@ -42,9 +47,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from deepspeed_ppq.quant.adam8bit import adam8bit_step
+from deepspeed_ppq.ops import define_op, registered_ops
+from deepspeed_ppq.quant import ops as _wops
+from deepspeed_ppq.quant.adam8bit import _sqrt, _step_ref, adam8bit_step
 from deepspeed_ppq.quant.optim import BNB_BLOCK_SIZE, MIN_8BIT_SIZE, underlying_optimizer
-from deepspeed_ppq.quant.sr_ops import weight_quantize_sr_out
+from deepspeed_ppq.quant.sr_ops import _quantize_sr_out_ref, weight_quantize_sr_out
 
 __all__ = [
     "master_free_layers",
@@ -56,6 +63,44 @@ __all__ = [
 ]
 
 _QMAPS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _adamw_fp32_ref(w, g, m, v, beta1, beta2, eps, step, lr, weight_decay, grad_scale):
+    """AdamW with fp32 moments, as ``quant.adam8bit``'s reference writes it (in place on w, m, v)."""
+    g = g * grad_scale
+    m.copy_(m * beta1 + g * (1.0 - beta1))
+    v.copy_(v * beta2 + g * g * (1.0 - beta2))
+    if weight_decay > 0.0:
+        w.copy_(w * (1.0 - lr * weight_decay))
+    c1, c2 = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
+    w.copy_(w + (-lr * c2 / c1) * (m / (_sqrt(v) + eps * c2)))
+
+
+def _master_free_step_ref(codes, scales, fmt, block_size, g, state1, state2, absmax1, absmax2, qmap1, qmap2,
+                          beta1, beta2, eps, step, lr, weight_decay, grad_scale, seed, offset):
+    w = torch.empty(g.numel(), dtype=torch.float32, device=g.device)
+    registered_ops()["weight_dequantize_out"](codes.reshape(-1), scales, fmt, block_size, w)
+    hyper = (beta1, beta2, eps, step, lr, weight_decay, grad_scale)
+    if state1.dtype == torch.uint8:
+        _step_ref(w, g.reshape(-1), state1.view(-1), state2.view(-1), absmax1, absmax2, qmap1, qmap2, *hyper)
+    else:
+        _adamw_fp32_ref(w, g.reshape(-1), state1.view(-1), state2.view(-1), *hyper)
+    _quantize_sr_out_ref(w, fmt, block_size, seed, offset, codes.view(-1), scales)
+
+
+def _master_free_step_fake(codes, scales, fmt, block_size, g, state1, state2, absmax1, absmax2, qmap1, qmap2,
+                           beta1, beta2, eps, step, lr, weight_decay, grad_scale, seed, offset):
+    return None
+
+
+_master_free_op = define_op(
+    "master_free_adamw_step_(Tensor(a!) codes, Tensor(b!) scales, str fmt, int block_size, Tensor g, "
+    "Tensor(c!) state1, Tensor(d!) state2, Tensor(e!) absmax1, Tensor(f!) absmax2, Tensor qmap1, "
+    "Tensor qmap2, float beta1, float beta2, float eps, int step, float lr, float weight_decay, "
+    "float grad_scale, int seed, int offset) -> ()",
+    _master_free_step_ref,
+    _master_free_step_fake,
+)
 
 
 def _qmaps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,28 +174,45 @@ def master_free_step(layers, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, w
         st = m.optim_state
         m.optim_step += 1
         t = m.optim_step
-        w = m.qweight.dequantize(torch.float32)  # transient fp32 copy of this one layer
-        if "state1" in st:
-            q1, q2 = _qmaps(w.device)
-            adam8bit_step(
-                w, g, st["state1"], st["state2"], st["absmax1"], st["absmax2"], q1, q2, beta1=b1, beta2=b2,
-                eps=eps, step=t, lr=lr, weight_decay=weight_decay, gnorm_scale=grad_scale,
-            )  # fmt: skip
-        else:
-            if grad_scale != 1.0:
-                g = g * grad_scale
-            st["exp_avg"].lerp_(g, 1 - b1)
-            st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-            if weight_decay:
-                w.mul_(1 - lr * weight_decay)
-            denom = (st["exp_avg_sq"].sqrt() / math.sqrt(1 - b2**t)).add_(eps)
-            w.addcdiv_(st["exp_avg"], denom, value=-lr / (1 - b1**t))
         qw = m.qweight
-        n = w.numel()
-        weight_quantize_sr_out(w, qw.fmt.value, qw.block_size, m.sr_seed, (t * n) % 2**62, qw.qdata, qw.scale)
+        n = qw.qdata.numel()
+        fmt, offset = qw.fmt.value, (t * n) % 2**62
+        if qw.scale_scale is None and qw.scale.numel() == _wops.num_blocks(n, qw.block_size):
+            if "state1" in st:
+                q1, q2 = _qmaps(g.device)
+                states = (st["state1"], st["state2"], st["absmax1"], st["absmax2"], q1, q2)
+            else:
+                none = torch.empty(0, device=g.device)
+                states = (st["exp_avg"], st["exp_avg_sq"], none, none, none, none)
+            hyper = (float(b1), float(b2), float(eps), t, float(lr), float(weight_decay), float(grad_scale))
+            g = g.contiguous()
+            _master_free_op(qw.qdata, qw.scale, fmt, qw.block_size, g, *states, *hyper, m.sr_seed, offset)
+            _check_finite_update(qw, fmt)
+        else:  # a per-tensor fp8 scale: the three ops (see the module docstring)
+            w = qw.dequantize(torch.float32)  # transient fp32 copy of this one layer
+            if "state1" in st:
+                q1, q2 = _qmaps(w.device)
+                adam8bit_step(
+                    w, g, st["state1"], st["state2"], st["absmax1"], st["absmax2"], q1, q2, beta1=b1,
+                    beta2=b2, eps=eps, step=t, lr=lr, weight_decay=weight_decay, gnorm_scale=grad_scale,
+                )  # fmt: skip
+            else:
+                m1, m2 = st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1)
+                hyper = (b1, b2, eps, t, lr, weight_decay, grad_scale)
+                _adamw_fp32_ref(w.view(-1), g.reshape(-1), m1, m2, *hyper)
+            weight_quantize_sr_out(w, fmt, qw.block_size, m.sr_seed, offset, qw.qdata, qw.scale)
         m.quant_version += 1
         done += 1
     return done
+
+
+def _check_finite_update(qw, fmt: str) -> None:
+    if not bool(torch.isfinite(qw.scale).all()):
+        bad = int((~torch.isfinite(qw.scale)).sum())
+        raise ValueError(
+            f"master-free update of a {fmt} weight of shape {tuple(qw.shape)} produced NaN/Inf in {bad} "
+            f"block(s) of {qw.scale.numel()} (a non-finite gradient or state); those blocks' codes are 0"
+        )
 
 
 def master_free_grad_norm(layers, dp_world_size: int = 1) -> float:
