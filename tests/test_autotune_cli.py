@@ -42,12 +42,12 @@ def _ppq(*args, timeout=900) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
-def _two_ranks(script, args, tmp_path, timeout=600) -> list[str]:
+def _two_ranks(script, args, tmp_path, timeout=600, threads=1) -> list[str]:
     """Run ``script`` on 2 ranks as a launcher would; returns each rank's output."""
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                              env=rank_env(r, 2, port, str(tmp_path)))
+                              env=rank_env(r, 2, port, str(tmp_path), threads=threads))
              for r in range(2)]
     outs = [p.communicate(timeout=timeout)[0] for p in procs]
     from deepspeed_ppq.integrations.shm import release_deepspeed_shm
@@ -72,10 +72,14 @@ def test_tune_the_example_script_then_train_with_the_plan(tmp_path):
     assert plan.memory_budget == 64 * 2**20 and plan.measured_step_time > 0
     report = (out / "report.md").read_text()
     assert "Peak memory per stage, MiB (predicted / measured" in report and "## Stock search" in report
-    # the user's run with the plan: the script is the same, only the config names the plan
+    # the user's run with the plan: the script is the same, only the config names the plan. Its ranks
+    # start with 2 threads each (a launcher leaves PyTorch's default): the plan was measured with 1.
+    assert plan.threads_per_rank == 1
     cfg_plan = _config(tmp_path, plan_file=str(out / "plan.json"))
-    outs = _two_ranks(EXAMPLE, ["--deepspeed_config", cfg_plan, "--steps", "5", *MODEL_ARGS], tmp_path)
+    outs = _two_ranks(EXAMPLE, ["--deepspeed_config", cfg_plan, "--steps", "5", *MODEL_ARGS], tmp_path,
+                      threads=2)
     text = outs[0]
+    assert "measured with 1 intra-op thread(s) per rank; using torch.set_num_threads(1) (was 2)" in text
     for s, (a, b) in enumerate(zip(plan.boundaries, plan.boundaries[1:])):
         assert f"stage={s} layers={b - a} [{a}, {b})" in text
     assert "step time: median" in text

@@ -335,6 +335,11 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
     t_start = time.perf_counter()
     fingerprint = runner.fingerprint()
     profile = runner.profile(settings)
+
+    def stamp(plan: Plan) -> None:  # what a plan records of the model and the machine it was made on
+        plan.model_fingerprint = fingerprint
+        plan.threads_per_rank = profile.threads_per_rank
+
     note(f"profile: {len(profile.layers)} layers, link {profile.link.latency_s * 1e6:.0f} us + "
          f"{profile.link.bandwidth_Bps / 1e9:.2f} GB/s, optimizer ns/param "
          + ", ".join(f"{k} {v * 1e9:.2f}" for k, v in profile.optimizer_costs.items()))
@@ -365,7 +370,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         if plan is None:
             break
         tried.add(plan.notes[0])
-        plan.model_fingerprint = fingerprint
+        stamp(plan)
         run = summarize(plan, runner.run_trial(plan, settings, seed=0))
         over = _over_budget(settings, run)
         measured.append({"plan": plan.to_dict(), "run": run, "fits": not over, "over": over})
@@ -410,7 +415,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
     iterations, accepted = [], None
     for it in range(settings.max_iterations):
         plan = plan_pipeline(problem)
-        plan.model_fingerprint = fingerprint
+        stamp(plan)
         run = summarize(plan, runner.run_trial(plan, settings, seed=0))
         run["simulated"] = simulate_plan(problem, plan)
         over = _over_budget(settings, run)
@@ -484,7 +489,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
             if same_configuration(rung, previous):
                 continue  # this feature changes nothing here
             previous = rung
-            rung.model_fingerprint = fingerprint
+            stamp(rung)
             if rung is accepted[0]:
                 run = accepted[1]
             else:

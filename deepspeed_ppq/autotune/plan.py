@@ -7,8 +7,9 @@ stage by category). It renders itself as the ``"ppq"`` + DeepSpeed settings that
 the equivalent Megatron flags. Carrying it out is ``loop.py``'s job; this file only describes.
 
 A plan records the fingerprint of the model it was made for (``model_fingerprint``: layer count, layer
-classes, parameter shapes) and, once a trial ran it, its measured step time and per-stage peak
-memory; ``check_model`` refuses a plan for another model.
+classes, parameter shapes), the intra-op threads per rank its times were measured with
+(``threads_per_rank``) and, once a trial ran it, its measured step time and per-stage peak memory;
+``check_model`` refuses a plan for another model.
 
 Schema versions: ``PLAN_SCHEMA_VERSION`` changes whenever a field changes meaning or is removed;
 ``Plan.from_dict`` refuses any other version with a message that names both (2: the model
@@ -79,6 +80,7 @@ class Plan:
     model_fingerprint: dict[str, Any] = field(default_factory=dict)
     measured_step_time: float | None = None
     measured_memory: list[dict[str, int]] = field(default_factory=list)
+    threads_per_rank: int | None = None
     schema_version: int = PLAN_SCHEMA_VERSION
 
     # ----- derived -------------------------------------------------------------------------------

@@ -431,15 +431,18 @@ PROFILE_FORMAT = 6
 
 
 def profile_key(layers: Sequence[nn.Module], **settings) -> str:
-    """A hash of the layer shapes, the settings (micro-batch sizes, formats, policy, ...), the
-    device, the versions and ``PROFILE_FORMAT``; a cached profile is used only under the same key."""
+    """A hash of the layer shapes (and which parameters train), the settings (micro-batch sizes,
+    formats, policy, ...), the device and its intra-op threads, the versions and ``PROFILE_FORMAT``; a
+    cached profile is used only under the same key."""
     import deepspeed_ppq
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     sig = {
-        "layers": [[type(m).__name__, [list(p.shape) for p in m.parameters()]] for m in layers],
+        "layers": [[type(m).__name__, [[list(p.shape), p.requires_grad] for p in m.parameters()]]
+                   for m in layers],
         "settings": settings,
         "device": device,
+        "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "deepspeed_ppq": deepspeed_ppq.__version__,
         "format": PROFILE_FORMAT,

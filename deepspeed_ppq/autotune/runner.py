@@ -40,6 +40,8 @@ class Profile:
         step_transient_bytes_per_param: the engine's transient bytes per trainable parameter around the
             optimizer step (e.g. a flattened gradient buffer for the data-parallel reduce); a prior the
             loop refits from measured trials.
+        threads_per_rank: intra-op threads each rank computes with (CPU); the plans record it, since
+            their measured times hold for it.
     """
 
     layers: list[LayerProfile]
@@ -47,6 +49,7 @@ class Profile:
     link: LinkModel
     optimizer_costs: dict[str, float]
     step_transient_bytes_per_param: float = 0.0
+    threads_per_rank: int | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -55,6 +58,7 @@ class Profile:
             "link": asdict(self.link),
             "optimizer_costs": dict(self.optimizer_costs),
             "step_transient_bytes_per_param": self.step_transient_bytes_per_param,
+            "threads_per_rank": self.threads_per_rank,
         }
 
     @classmethod
@@ -67,6 +71,7 @@ class Profile:
             link=LinkModel(**d["link"]),
             optimizer_costs=dict(d["optimizer_costs"]),
             step_transient_bytes_per_param=float(d.get("step_transient_bytes_per_param", 0.0)),
+            threads_per_rank=d.get("threads_per_rank"),
         )
 
 

@@ -271,6 +271,7 @@ class DeepSpeedRunner:
         prof = Profile.from_dict(payload)
         link = self.share(profiler.measure_link())
         prof.link = link
+        prof.threads_per_rank = torch.get_num_threads()
         return prof
 
     # ----- a trial ----------------------------------------------------------------------------------

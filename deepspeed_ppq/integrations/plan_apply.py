@@ -72,6 +72,21 @@ def _hyper(optimizer, ds_config: dict) -> tuple[str, dict]:
     return kind, out
 
 
+def _match_threads(plan: Plan, source: str) -> None:
+    """On CPU, compute with the intra-op threads per rank the plan's times were measured with: launchers
+    leave each rank PyTorch's default (every core), which oversubscribes the cores as soon as two ranks
+    share a machine, and the plan's measured step time would not hold."""
+    import torch
+
+    want = plan.threads_per_rank
+    if not want or torch.cuda.is_available() or torch.get_num_threads() == want:
+        return
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"ppq: {source} was measured with {want} intra-op thread(s) per rank; using "
+              f"torch.set_num_threads({want}) (was {torch.get_num_threads()})", flush=True)
+    torch.set_num_threads(want)
+
+
 def apply_plan(plan: Plan | str, model, optimizer, ds_config: dict, args=None):
     """Rebuild ``model``, the optimizer and the config to carry ``plan`` out.
 
@@ -104,6 +119,7 @@ def apply_plan(plan: Plan | str, model, optimizer, ds_config: dict, args=None):
     if world != plan.world_size:
         raise PlanError(f"{source} is for world_size={plan.world_size}; this job has {world} ranks: re-run "
                         "`ppq tune` with this many ranks")
+    _match_threads(plan, source)
     weights = dict((ds_config.get("ppq") or {}).get("weights") or {})
     built = getattr(model, "ppq_plan", None)
     if built is not None and built.to_dict() == plan.to_dict():
