@@ -348,9 +348,9 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(RuntimeError, match="bits must be in \\[1, 56\\], got 57"):
         ops.pack_bits(torch.zeros(3, dtype=torch.int64, device="cuda"), 57,
                       torch.empty(22, dtype=torch.uint8, device="cuda"))
-    with pytest.raises(RuntimeError, match="out has 21 elements; needs 22"):
+    with pytest.raises(RuntimeError, match="out has 20 elements; needs 21"):  # 3 x 56 bits = 21 bytes
         ops.pack_bits(torch.zeros(3, dtype=torch.int64, device="cuda"), 56,
-                      torch.empty(21, dtype=torch.uint8, device="cuda"))
+                      torch.empty(20, dtype=torch.uint8, device="cuda"))
     s = [t.cuda() for t in _adam_state(300)]
     with pytest.raises(RuntimeError, match="absmax1 has 1 elements; needs 2"):
         qmap = torch.zeros(256, device="cuda")
