@@ -11,10 +11,13 @@ master path and dense fp32, measured in one run.
    Adam and 6.43 GiB int8 + Adam with an fp32 master).
 3. Update time of one 4096 x 1024 layer, each against ``torch.optim.Adam`` on the dense fp32 weight
    measured alternately in the same run (ratio of medians): fp32 master (Adam step + round-to-nearest
-   re-quantize) vs master-free (dequantize + AdamW + SR re-quantize) with fp32 or 8-bit states; and
-   the SR quantize ops (int8, fp8 e4m3/e5m2; fp32 and bf16 weights) and the round-to-nearest ones
-   against a copy of the weight (bytes read + written per second). Timing: benchmarks/_harness.py.
-Results: benchmarks/results/bench_master_free.{json,md}.
+   re-quantize) vs master-free (dequantize + AdamW + SR re-quantize) with fp32 or 8-bit states, both
+   the fused op (``ppq::master_free_adamw_step_``, what a training step runs) and the same update as
+   three ops (dequantize to a dense fp32 copy, the AdamW op or torch ops, the SR op: what it cost
+   before the fused op), checked equal first; and the SR quantize ops (int8, fp8 e4m3/e5m2; fp32 and
+   bf16 weights) and the round-to-nearest ones against a copy of the weight (bytes read + written
+   per second; target, issue 13: SR >= 0.5x copy). Timing: benchmarks/_harness.py.
+Results: benchmarks/results/bench_master_free.{json,md}, with the machine, load and C++ kernel path.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _harness import loadavg, machine, time_against, x_copy  # noqa: E402
+from _harness import loadavg, machine, machine_line, time_against, x_copy  # noqa: E402
 
 from deepspeed_ppq.config import WeightsConfig  # noqa: E402
 from deepspeed_ppq.models.gpt import GPT, GPTConfig, gpt_loss, layer_kinds  # noqa: E402
@@ -44,7 +47,9 @@ from deepspeed_ppq.quant import (  # noqa: E402
     requantize_after_step,
 )
 from deepspeed_ppq.quant import ops as wops  # noqa: E402
+from deepspeed_ppq.quant.adam8bit import adam8bit_step  # noqa: E402
 from deepspeed_ppq.quant.ledger import ParamSpec  # noqa: E402
+from deepspeed_ppq.quant.master_free import _qmaps  # noqa: E402
 from deepspeed_ppq.quant.sr_ops import _quantize_sr_out_ref, weight_quantize_sr_out  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -121,6 +126,47 @@ def _alternate(fn, base, reps):
     return t.op, t.base, t.op / t.base
 
 
+def _three_op_update(mf, g):
+    """The master-free update as three ops on a dense fp32 copy (before the fused op): dequantize, AdamW
+    (the 8-bit op, or torch's in-place ops on fp32 moments), SR quantize. Works on copies of the
+    layer's codes, scales and states."""
+    qw, st = mf.qweight, {k: v.clone() for k, v in mf.optim_state.items()}
+    codes, scales = qw.qdata.clone(), qw.scale.clone()
+    q1, q2 = _qmaps(g.device)
+    t = mf.optim_step + 1
+
+    def run():
+        w = wops.weight_dequantize(codes, scales, qw.fmt.value, qw.block_size, qw.shape, torch.float32)
+        if "state1" in st:
+            adam8bit_step(w, g, st["state1"], st["state2"], st["absmax1"], st["absmax2"], q1, q2, beta1=0.9,
+                          beta2=0.999, eps=1e-8, step=t, lr=1e-3, weight_decay=0.01)
+        else:
+            st["exp_avg"].lerp_(g, 0.1)
+            st["exp_avg_sq"].mul_(0.999).addcmul_(g, g, value=0.001)
+            w.mul_(1 - 1e-3 * 0.01)
+            denom = (st["exp_avg_sq"].sqrt() / (1 - 0.999**t) ** 0.5).add_(1e-8)
+            w.addcdiv_(st["exp_avg"], denom, value=-1e-3 / (1 - 0.9**t))
+        weight_quantize_sr_out(w, qw.fmt.value, qw.block_size, mf.sr_seed, t * w.numel(), codes, scales)
+        return codes, scales, st
+
+    return run
+
+
+def _check_three_ops_equal_fused(mf, g, three):
+    """The fused op and the three ops agree on the next step (8-bit states: bit for bit; fp32 moments:
+    the torch ops round differently, so the codes agree but for a few values)."""
+    codes, scales, st = three()
+    mf.weight_grad.copy_(g)
+    from deepspeed_ppq.quant.master_free import master_free_step
+
+    master_free_step([mf], 1e-3, weight_decay=0.01)
+    differ = int((mf.qweight.qdata.view(torch.uint8) != codes.view(torch.uint8)).sum())
+    if "state1" in st:
+        assert differ == 0 and torch.equal(mf.qweight.scale, scales), "fused 8-bit update != three ops"
+    else:
+        assert differ <= mf.qweight.qdata.numel() // 1000, f"fused: {differ} codes differ from the three ops"
+
+
 def step_times(reps: int) -> list[dict]:
     out_f, in_f = 4096, 1024
     torch.manual_seed(0)
@@ -164,6 +210,7 @@ def step_times(reps: int) -> list[dict]:
             "base": "dense Adam step",
         }
     )
+    n = out_f * in_f
     for o8 in (False, True):
         mf = layer("none", o8)
         holder = nn.Sequential(mf)
@@ -173,11 +220,20 @@ def step_times(reps: int) -> list[dict]:
 
         def mf_step(mf=mf, mopt=mopt):
             mf.weight_grad.copy_(g)
-            mopt.step()  # bias (4096 values) + the hook: dequantize, AdamW, SR re-quantize
+            mopt.step()  # bias (4096 values) + the hook: the fused dequantize, AdamW, SR re-quantize
 
+        mf_step()  # the states exist from here on
+        three = _three_op_update(mf, g)
+        _check_three_ops_equal_fused(mf, g, three)
+        label = f"AdamW{'8bit' if o8 else ''}"
         t, tb, r = _alternate(mf_step, dense_step, reps)
-        label = f"master-free: dequant + AdamW{'8bit' if o8 else ''} + SR"
-        rows.append({"op": label, "ms": 1e3 * t, "base_ms": 1e3 * tb, "x_base": r, "base": "dense Adam step"})
+        op = f"master-free, fused op: dequant + {label} + SR"
+        rows.append({"op": op, "ms": 1e3 * t, "base_ms": 1e3 * tb, "x_base": r, "base": "dense Adam step",
+                     "ns_per_param": 1e9 * t / n})
+        t3, tf, r3 = _alternate(three, lambda mf_step=mf_step: mf_step(), reps)
+        op = f"master-free, three ops (dense fp32 copy): dequant + {label} + SR"
+        rows.append({"op": op, "ms": 1e3 * t3, "base_ms": 1e3 * tf, "x_base": r3, "base": "the fused op",
+                     "ns_per_param": 1e9 * t3 / n})
     rows.append(
         {
             "op": "SR quantize, blocks of 64 (C++), against a copy of the fp weight (x copy: bytes/s, "
@@ -206,6 +262,7 @@ def step_times(reps: int) -> list[dict]:
                     "x_base": t.op / t.base,
                     "base": "copy of the fp weight",
                     "x_copy": x_copy(op_bytes, t.op, 2 * fp, t.base),
+                    "ns_per_param": 1e9 * t.op / wd.numel(),
                 }
             )
 
@@ -223,17 +280,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not has_kernel("weight_quantize_sr_out"):
         raise SystemExit("the C++ extension is not built (make build)")
+    m = machine()
     mem = measured_memory()
     proj = projected_stage()
     times = step_times(args.reps)
-    m = machine()
+    m["loadavg_end"] = loadavg()
     meta = {"threads": args.threads, "reps": args.reps}
     lines = [
         "# Master-free low-bit training: memory and update time\n",
-        f"{m['cpu']} ({m['cores']} cores, {args.threads} threads; flags: {m['cpu_flags']}), "
-        f"**C++ kernel path: {m['cpu_isa']}**, torch {m['torch']}, {m['date']}, load average {m['loadavg']} "
-        f"at the start, {loadavg()} at the end (timings on a shared machine are noisy: see the ratios).",
-        "Command: `.venv/bin/python benchmarks/quant/bench_master_free.py`\n",
+        machine_line(m) + " Timings on a shared machine are noisy: see the ratios of alternating runs.",
+        f"Command: `.venv/bin/python benchmarks/quant/bench_master_free.py --threads {args.threads}`\n",
         "## Measured: small GPT (d=256, 4 blocks, all blocks low-bit), after a backward "
         "(measured == ledger in every row)\n",
     ]
@@ -257,17 +313,19 @@ def main() -> None:
     lines += [
         "",
         "## Update time of one 4096x1024 int8 layer (medians; ratio of alternating pairs)\n",
-        "x baseline = time / baseline time (lower is faster); x copy = bytes read + written per second over "
-        "the copy's (target for SR quantize, issue 13: >= 0.5).\n",
-        "| op | ms | baseline | baseline ms | x baseline | x copy |",
-        "|---|---|---|---|---|---|",
+        "x baseline = time / baseline time (lower is faster); ns/param = time / values of the layer; "
+        "x copy = bytes read + written per second over the copy's (target for SR quantize, issue 13: "
+        ">= 0.5).\n",
+        "| op | ms | ns/param | baseline | baseline ms | x baseline | x copy |",
+        "|---|---|---|---|---|---|---|",
     ]
 
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
 
     lines += [
-        f"| {r['op']} | {f(r['ms'], '.2f')} | {r['base']} | {f(r['base_ms'], '.2f')} | "
+        f"| {r['op']} | {f(r['ms'], '.2f')} | {f(r.get('ns_per_param'), '.2f')} | {r['base']} | "
+        f"{f(r['base_ms'], '.2f')} | "
         f"{f(r['x_base'], '.2f')} | {f(r.get('x_copy'), '.2f')} |"
         for r in times
     ]
