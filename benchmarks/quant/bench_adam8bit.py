@@ -117,6 +117,8 @@ def main() -> None:
         "first.",
         "x fused Adam = step time / fused Adam step time (same run); lower is faster. Target (issue 13): "
         "ours <= 1.0.",
+        "Threads: torch's fused Adam runs over torch's intra-op threads, ours splits its blocks with "
+        f"OpenMP over the same count (at::get_num_threads()); --threads sets both ({args.threads} here).",
         f"Run: `.venv/bin/python benchmarks/quant/bench_adam8bit.py --threads {args.threads}`",
     ]
     md = write_results(

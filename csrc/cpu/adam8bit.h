@@ -28,15 +28,17 @@ constexpr int64_t kBlock = 256;  // bitsandbytes' blockwise optimizer block
 struct Map {
   float value[256];
   float mid[256];  // mid[i] = (value[i] + value[i + 1]) / 2, mid[255] = +inf
-  // Cells: index = sign * kCells + clamp(|bits| >> 16, kKey0, kKey1) - kKey0.
-  static constexpr uint32_t kKey0 = 0x33800000u >> 16, kKey1 = 0x3f800000u >> 16;  // 2^-24 and 1.0
-  static constexpr int kCells = int(kKey1 - kKey0) + 1;
+  // Cells: index = min(bits(y) >> 16, kTop): the sign, the exponent and 7 mantissa bits of y, so the
+  // index costs a shift and a min (the negative cells follow at 0x8000 + the magnitude's index).
+  // Positive y from 1.0078 up (Inf, NaN) share the cells above kOne, every y <= -1.0 the cell kTop.
+  static constexpr uint32_t kOne = 0x3f80u, kTop = 0xbf80u;  // the cells of 1.0 and -1.0
+  static constexpr int kCells = int(kTop) + 1;
   // Per cell: (midpoints below the cell) << 16 | low, with low = 0xffff - (low 16 bits of the midpoint
   // inside a positive cell), or the low 16 bits of the one inside a negative cell; 0 if none. The code
   // of y is then (entry + w) >> 16, w = the low 16 bits of y (of ~y for negative y): the carry is the
   // comparison with the midpoint.
   std::vector<uint32_t> entry;
-  bool lut = true;  // false: some cell holds two midpoints (or the clamped cells one); encode() bisects
+  bool lut = true;  // false: some cell holds two midpoints (or a shared cell one); encode() bisects
 };
 
 inline std::unique_ptr<Map> build_map(const float* v) {
@@ -44,28 +46,27 @@ inline std::unique_ptr<Map> build_map(const float* v) {
   for (int i = 0; i < 256; ++i) m->value[i] = v[i];
   for (int i = 0; i < 255; ++i) m->mid[i] = (v[i] + v[i + 1]) / 2.0f;
   m->mid[255] = INFINITY;
-  m->entry.assign(2 * Map::kCells, 0);
-  for (int i = 0; i < 255; ++i) {  // the table's cells cover |y| < 1.0078; the midpoints must lie inside
+  m->entry.assign(Map::kCells, 0);
+  for (int i = 0; i < 255; ++i) {  // the shared cells (|y| >= 1.0078) must hold no midpoint
     if (!(std::fabs(m->mid[i]) < 1.0f)) m->lut = false;
   }
-  for (int c = 0; c < Map::kCells; ++c) {
-    const uint32_t k = Map::kKey0 + uint32_t(c);
-    const float lo = c == 0 ? 0.0f : std::bit_cast<float>(k << 16), hi = std::bit_cast<float>((k + 1) << 16);
-    uint32_t below_pos = 0, below_neg = 0, low_pos = 0, low_neg = 0;
-    int in_pos = 0, in_neg = 0;
-    for (int i = 0; i < 255; ++i) {
-      const float x = m->mid[i];
-      const uint32_t x16 = std::bit_cast<uint32_t>(x) & 0xffffu;
-      below_pos += x < lo;    // positive cell [lo, hi)
-      below_neg += x <= -hi;  // negative cell (-hi, -lo]
-      if (x >= lo && x < hi) low_pos = 0xffffu - x16, ++in_pos;
-      if (x > -hi && x <= -lo) low_neg = x16, ++in_neg;
-    }
-    m->entry[c] = below_pos << 16 | low_pos;
-    m->entry[Map::kCells + c] = below_neg << 16 | low_neg;
-    // cell 0 also takes every |y| < 2^-24, whose low bits say nothing: it must hold no midpoint
-    if (in_pos > 1 || in_neg > 1 || (c == 0 && (in_pos || in_neg))) m->lut = false;
+  float sorted[255];  // the midpoints in order (a map need not be sorted)
+  std::copy(m->mid, m->mid + 255, sorted);
+  std::sort(sorted, sorted + 255);
+  for (uint32_t k = 0; k <= Map::kOne; ++k) {
+    const float lo = std::bit_cast<float>(k << 16), hi = std::bit_cast<float>((k + 1) << 16);
+    // positive cell [lo, hi) and negative cell (-hi, -lo]
+    const auto below_pos = uint32_t(std::lower_bound(sorted, sorted + 255, lo) - sorted);
+    const auto below_neg = uint32_t(std::upper_bound(sorted, sorted + 255, -hi) - sorted);
+    const auto in_pos = uint32_t(std::lower_bound(sorted, sorted + 255, hi) - sorted) - below_pos;
+    const auto in_neg = uint32_t(std::upper_bound(sorted, sorted + 255, -lo) - sorted) - below_neg;
+    if (in_pos > 1 || in_neg > 1) m->lut = false;
+    const uint32_t low_pos = in_pos ? 0xffffu - (std::bit_cast<uint32_t>(sorted[below_pos]) & 0xffffu) : 0u;
+    const uint32_t low_neg = in_neg ? std::bit_cast<uint32_t>(sorted[below_neg]) & 0xffffu : 0u;
+    m->entry[k] = below_pos << 16 | low_pos;
+    m->entry[0x8000u + k] = below_neg << 16 | low_neg;
   }
+  for (uint32_t k = Map::kOne + 1; k < 0x8000u; ++k) m->entry[k] = m->entry[Map::kOne];  // Inf, NaN
   return m;
 }
 
@@ -82,10 +83,7 @@ inline const Map& get_map(const float* v) {
   return *cache.back();
 }
 
-inline uint32_t cell(uint32_t u) {
-  const uint32_t k = std::min(std::max((u & 0x7fffffffu) >> 16, Map::kKey0), Map::kKey1) - Map::kKey0;
-  return k + (u >> 31 ? uint32_t(Map::kCells) : 0u);
-}
+inline uint32_t cell(uint32_t u) { return std::min(u >> 16, Map::kTop); }
 
 // Index of the nearest code: the number of midpoints below y (y == a midpoint: the lower code).
 inline uint8_t encode(const Map& m, float y) {
@@ -124,28 +122,21 @@ inline Hyper make_hyper(double beta1, double beta2, double eps, int64_t step, do
 // encode() for 16 values (lut maps only), the codes in the low byte of each 32-bit lane.
 PPQ_ALWAYS_INLINE inline __m512i encode16(const Map& m, __m512 y) {
   const __m512i u = _mm512_castps_si512(y);
-  __m512i k = _mm512_srli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), 16);
-  k = _mm512_min_epu32(_mm512_max_epu32(k, _mm512_set1_epi32(Map::kKey0)), _mm512_set1_epi32(Map::kKey1));
-  k = _mm512_sub_epi32(k, _mm512_set1_epi32(Map::kKey0));
-  const __m512i sign = _mm512_srai_epi32(u, 31);
-  k = _mm512_add_epi32(k, _mm512_and_si512(sign, _mm512_set1_epi32(Map::kCells)));
+  const __m512i k = _mm512_min_epu32(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(Map::kTop));
   const __m512i e = _mm512_i32gather_epi32(k, m.entry.data(), 4);
-  const __m512i w = _mm512_and_si512(_mm512_xor_si512(u, sign), _mm512_set1_epi32(0xffff));
+  const __m512i w = _mm512_and_si512(_mm512_xor_si512(u, _mm512_srai_epi32(u, 31)), _mm512_set1_epi32(0xffff));
   return _mm512_srli_epi32(_mm512_add_epi32(e, w), 16);
 }
 #endif
 
 #if PPQ_ISA_AVX2
-// encode16 on 8 lanes: one gather of the cell entries, the comparison by the carry.
+// encode16 on 8 lanes: the cell index (a shift and a min), one gather of the cell entries, the
+// comparison by the carry.
 PPQ_ALWAYS_INLINE inline __m256i encode8(const Map& m, __m256 y) {
   const __m256i u = _mm256_castps_si256(y);
-  __m256i k = _mm256_srli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), 16);
-  k = _mm256_min_epu32(_mm256_max_epu32(k, _mm256_set1_epi32(Map::kKey0)), _mm256_set1_epi32(Map::kKey1));
-  k = _mm256_sub_epi32(k, _mm256_set1_epi32(Map::kKey0));
-  const __m256i sign = _mm256_srai_epi32(u, 31);
-  k = _mm256_add_epi32(k, _mm256_and_si256(sign, _mm256_set1_epi32(Map::kCells)));
+  const __m256i k = _mm256_min_epu32(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(Map::kTop));
   const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(m.entry.data()), k, 4);
-  const __m256i w = _mm256_and_si256(_mm256_xor_si256(u, sign), _mm256_set1_epi32(0xffff));
+  const __m256i w = _mm256_and_si256(_mm256_xor_si256(u, _mm256_srai_epi32(u, 31)), _mm256_set1_epi32(0xffff));
   return _mm256_srli_epi32(_mm256_add_epi32(e, w), 16);
 }
 
