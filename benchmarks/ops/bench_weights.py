@@ -18,7 +18,9 @@ references ``--ref-reps``), with benchmarks/_harness.py. Columns:
              8-bit code, a different format of the same size). bnb cannot write into a reused
              buffer on CPU (``out=`` raises), so its dequantize allocates.
 Dequantize writes the input dtype (fp32 -> fp32, bf16 -> bf16).
-Results: benchmarks/results/bench_weights.{json,md}, with the machine and the C++ kernel path (ISA).
+Results: benchmarks/results/bench_weights.{json,md}, with the machine and the C++ kernel path (ISA); a
+forced narrower path (``PPQ_CPU_ISA=scalar``) writes bench_weights_<path>.{json,md}, so the dispatch's
+value shows beside the widest path's results.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _harness import machine, time_against, time_once, write_results, x_copy  # noqa: E402
 
-from deepspeed_ppq.ops import has_kernel, native_status, registered_ops  # noqa: E402
+from deepspeed_ppq.ops import cpu_isa, has_kernel, native_status, registered_ops, supported_cpu_isas  # noqa: E402
 from deepspeed_ppq.quant import ops as wops  # noqa: E402
 
 REF = registered_ops()
@@ -156,7 +158,9 @@ def main(argv=None) -> dict:
         dst = torch.empty_like(w)
         for fmt in args.formats:
             results.extend(_format_rows(w, dst, fmt, block, reps, args.ref_reps, F))
-    command = " ".join(["python benchmarks/ops/bench_weights.py", *(sys.argv[1:] if argv is None else argv)])
+    env = f"PPQ_CPU_ISA={os.environ['PPQ_CPU_ISA']} " if os.environ.get("PPQ_CPU_ISA") else ""
+    cli = sys.argv[1:] if argv is None else argv
+    command = env + " ".join([".venv/bin/python benchmarks/ops/bench_weights.py", *cli])
     meta = {
         "shape": list(shape),
         "block_size": block,
@@ -190,11 +194,12 @@ def main(argv=None) -> dict:
         "bnb_x_copy",
         "x_bnb",
     ]
+    name = "bench_weights" if cpu_isa() == supported_cpu_isas()[0] else f"bench_weights_{cpu_isa()}"
     md = write_results(
-        "bench_weights",
+        name,
         results,
         meta=meta,
-        title=f"bench_weights: {shape[0]}x{shape[1]} weight, block {block}",
+        title=f"bench_weights: {shape[0]}x{shape[1]} weight, block {block}, C++ kernel path {cpu_isa()}",
         notes=notes,
         columns=cols,
         machine_=m,
