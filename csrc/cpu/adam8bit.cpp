@@ -18,17 +18,19 @@
 //   bits (sign, exponent, 7 mantissa bits) of y in [-1, 1] name a cell of width 2^-7 relative; for
 //   bitsandbytes' maps no cell holds more than one midpoint (checked when the table is built), so the
 //   code is (midpoints below the cell) + (y > the cell's midpoint). Both live in one 32-bit entry per
-//   cell, and the comparison is the carry of a 16-bit addition (adam8bit.h): one table read per value.
-//   Values below 2^-24 share the first cell. One 24 KiB table per map, built once per map and cached;
-//   a map that breaks the one-midpoint rule falls back to a branch-free binary search.
-// * Where the time goes (AVX2, Zen 3, one thread, 4M parameters; the fused fp32 Adam is ~0.7 ns per
-//   parameter there): decoding the two states (a 256-entry table each) ~0.75 ns, encoding them (one
-//   table read each plus the key arithmetic) ~1.3 ns, the Adam arithmetic and memory ~0.45 ns, of
-//   which the division and square root ~0.25. A 256-entry table has no in-register form on AVX2
-//   (vpermps holds 8 entries, vpshufb 16 bytes), so each of the four look-ups is a memory read per
-//   value, and an 8-lane vgatherdps there costs more than eight scalar loads: the decode uses scalar
-//   loads, the encode one gather of the cell entries. Dividing by sqrt(1 - beta2^t) per value and by
-//   the absmax per value (the earlier form) cost two more divisions per value (~0.35 ns).
+//   cell, and the comparison is the carry of a 16-bit addition (adam8bit.h): per value a shift, a min
+//   (the cell index), one table read and an add. The table has an entry for every 16-bit prefix up to
+//   -1.0 (49k entries, 192 KiB per map, built once per map and cached); the cells values fall into are a
+//   few KiB of it. A map that breaks the one-midpoint rule falls back to a branch-free binary search.
+// * Where the time goes (AVX2, Zen 3, one thread, 4M parameters, by removing one stage at a time from
+//   the block loop): decoding the two states (a 256-entry table each) ~0.75 ns per parameter,
+//   encoding them ~1.3 ns (before the one-entry cells and the shift-and-min index), the Adam arithmetic
+//   with the memory traffic ~0.45 ns, of which the division and square root ~0.25 ns; torch's fused
+//   fp32 Adam takes ~0.7 ns there. A 256-entry table has no in-register form on AVX2 (vpermps holds 8
+//   entries, vpshufb 16 bytes), so each of the four look-ups per parameter is a memory read, and an
+//   8-lane vgatherdps there costs more than eight scalar loads: the decode uses scalar loads, the
+//   encode one gather of the cell entries. The earlier form divided by sqrt(1 - beta2^t) and by the
+//   absmax per value: three more divisions per value.
 // * With AVX-512 a block runs 16 values at a time (gathers for both tables), with AVX2 8.
 // * Built with -ffp-contract=off (setup.py): products and sums round separately, as the reference's.
 #include <ATen/core/Tensor.h>
