@@ -1,14 +1,22 @@
-"""Budget sweep: the tuned plan against the best measured stock DeepSpeed configuration, per budget.
+"""The method, measured: low-bit weights turned into pipeline fill, against the best stock DeepSpeed
+configuration, per workload (``examples/demo/workloads.py``: ``pretrain`` and ``finetune``).
 
-The demo's workload (``examples/demo/run_demo.py``: a 12-block GPT of width 256 on 32-token
-sequences, 2 pipeline stages, global batch 16) is tuned with ``ppq tune`` at each per-stage budget,
-from where the best stock configuration fits at its fastest setting down to where only small
-micro-batches with recomputation fit. At each budget the tuner measures the stock candidates that fit
-(the fastest measured is the baseline) and the tuned plan, alternating baseline and plan
-``--ab-repeats`` more times; the speedup is the ratio of the medians. Writes
-``results/autotune_budget_sweep.{md,json,png}``.
+For each workload, ``ppq tune`` runs the unmodified example script on 2 ranks:
 
-    .venv/bin/python benchmarks/autotune/bench_tune.py [--budgets 120,100,80,64,52,44,38] [--quick]
+1. **The ladder** at the workload's reference budget: the best measured stock configuration (its
+   validation loss over 3 seeds: the quality gate's noise), then one feature at a time up to the tuned
+   plan (low-bit weights at the stock schedule, the freed memory spent on fill, re-balanced stages,
+   codecs); each rung measured: samples/s, bubble, peak memory per stage, validation loss.
+2. **A budget sweep** (``--budgets`` or the workload's list): at each per-stage budget the tuner
+   measures the stock candidates that fit (the fastest measured is the baseline) and the tuned plan,
+   then alternates baseline and plan ``ab_repeats`` more times; the speedup is the ratio of the
+   medians. A budget where the stock configuration must compromise (recompute, or a smaller
+   micro-batch than its unconstrained fastest) is marked.
+
+Writes ``results/autotune_<workload>.{md,json}`` and ``results/autotune_<workload>_sweep.png``.
+
+    .venv/bin/python benchmarks/autotune/bench_tune.py [--workloads finetune,pretrain] [--budgets 64,48]
+        [--no-ladder] [--quick]
 """
 
 from __future__ import annotations
@@ -19,83 +27,189 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "examples" / "demo"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, machine, write  # noqa: E402
-from run_demo import FULL, QUICK, SCRIPT, _config  # noqa: E402
+from _harness import RESULTS, loadavg, machine, machine_line  # noqa: E402
+from workloads import SCRIPT, ds_config, script_args, settings  # noqa: E402
+
+from deepspeed_ppq.autotune.loop import measured_bubble  # noqa: E402
 
 
-def tune_at(budget_mb: float, settings: dict, out: Path, ab_repeats: int) -> dict:
-    settings = {**settings, "autotune": {**settings["autotune"], "ladder": False, "ab_repeats": ab_repeats}}
-    cfg = _config(out, settings, budget_mb)
+def _tune(w, budget_mb: float, out: Path, model: list[str], autotune: dict) -> dict:
+    """One ``ppq tune`` run; its ``tune.json`` (or ``{"error": ...}``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = ds_config(out, w, budget_mb, autotune=autotune)
     cmd = [sys.executable, "-m", "deepspeed_ppq.cli", "tune", str(SCRIPT), "--deepspeed_config", str(cfg),
-           *settings["model"], "--out", str(out / "tune")]
+           *model, "--out", str(out / "tune")]
+    t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode:
-        return {"budget_mb": budget_mb, "error": (proc.stderr or proc.stdout).strip().splitlines()[-1]}
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        return {"error": next((x for x in reversed(lines) if x.startswith("ppq tune:")), lines[-1])}
     r = json.loads((out / "tune" / "tune.json").read_text())
+    r["wall_s"] = time.perf_counter() - t0
+    return r
+
+
+def _plan_label(plan: dict) -> str:
+    fmts = sorted({f for s in plan["stages"] for f in s["formats"]} - {"none"}) or ["fp32"]
+    rec = ["on" if s["recompute"] else "off" for s in plan["stages"]]
+    codecs = (("act", plan["activation_codec"]), ("grad", plan["gradient_codec"]))
+    return (f"p={plan['pipeline_degree']} {plan['derived']['boundaries']}, {plan['micro_batch_size']} x "
+            f"{plan['num_microbatches']}, recompute {'/'.join(rec)}, weights {'+'.join(fmts)}"
+            + (" master-free" if plan["master_free"] else "")
+            + (", 8-bit Adam" if plan["optimizer_8bit"] else "")
+            + "".join(f", {k} {c['method']}{c.get('bits', '')}" for k, c in codecs if c["method"] != "none"))
+
+
+def _peaks(run: dict) -> str:
+    return " / ".join(f"{st['measured_memory']['total'] / 2**20:.1f}" for st in run["stages"])
+
+
+def sweep_row(budget_mb: float, r: dict, unconstrained: dict | None) -> dict:
+    """One budget's result: the measured best stock, the tuned plan, the A/B medians."""
+    if "error" in r:
+        return {"budget_mb": budget_mb, "error": r["error"]}
     ab = r["ab_step_times"]
-    base, plan = r["baseline"]["plan"], r["plan"]
     t_base = statistics.median(ab["baseline"])
     t_tuned = statistics.median(ab["tuned"]) if ab["tuned"] else t_base
-    return {"budget_mb": budget_mb, "baseline": base["notes"][0], "outcome": r["outcome"],
-            "plan": f"{plan['micro_batch_size']}x{plan['num_microbatches']} {plan['derived']['boundaries']} "
-                    f"{sorted(set(f for s in plan['stages'] for f in s['formats']))} master-free "
-                    f"{plan['master_free']} 8-bit {plan['optimizer_8bit']}",
-            "baseline_ms": t_base * 1e3, "tuned_ms": t_tuned * 1e3, "speedup": t_base / t_tuned,
-            "baseline_peak_mb": r["baseline"]["run"]["peak_memory"] / 2**20,
-            "tuned_peak_mb": (max(m["total"] for m in plan["measured_memory"]) / 2**20
-                              if plan["measured_memory"] else None)}
+    base = r["baseline"]["plan"]
+    compromise = None
+    if unconstrained is not None:  # recompute, or another micro-batch than the unconstrained fastest
+        compromise = (any(s["recompute"] for s in base["stages"])
+                      or (base["pipeline_degree"], base["micro_batch_size"])
+                      != (unconstrained["pipeline_degree"], unconstrained["micro_batch_size"]))
+    return {"budget_mb": budget_mb, "stock": _plan_label(base), "stock_ms": t_base * 1e3,
+            "stock_peaks_mb": _peaks(r["baseline"]["run"]), "outcome": r["outcome"],
+            "tuned": _plan_label(r["plan"]) if r["outcome"] == "tuned" else "(the stock configuration)",
+            "tuned_ms": t_tuned * 1e3, "speedup": t_base / t_tuned, "stock_compromises": compromise,
+            "tuned_peaks_mb": " / ".join(f"{m['total'] / 2**20:.1f}" for m in r["plan"]["measured_memory"]),
+            "gate": r["gate"], "wall_s": r["wall_s"]}
+
+
+def ladder_rows(r: dict) -> list[dict]:
+    rows = []
+    for rung in r.get("ladder", []):
+        run = rung["run"]
+        rows.append({"rung": rung["rung"], "plan": _plan_label(rung["plan"]),
+                     "samples_per_s": r["global_batch"] / run["measured_step_time"],
+                     "step_ms": run["measured_step_time"] * 1e3, "bubble": measured_bubble(run),
+                     "peaks_mb": _peaks(run), "val_loss": run.get("quality_val_loss", run["val_loss"])})
+    return rows
+
+
+def _markdown(w, m: dict, ladder: dict | None, rows: list[dict], budget_ref: float, end_load: str) -> str:
+    md = [f"# The method on {w.title}", "", machine_line(m) + f"; load at the end {end_load}", "",
+          f"Workload `{w.name}` (examples/demo/workloads.py): `examples/train_gpt_pipe.py "
+          f"{' '.join(w.model)}`{' --finetune <pretrained base>' if w.pretrain_steps else ''}, 2 ranks, "
+          f"global batch 16, the tuner choosing 1 or 2 pipeline stages. Run: `.venv/bin/python "
+          f"benchmarks/autotune/bench_tune.py --workloads {w.name}`.", ""]
+    if ladder is not None:
+        if "error" in ladder:
+            md += [f"## The ladder at {budget_ref:g} MiB per stage", "", f"failed: {ladder['error']}", ""]
+        else:
+            g = ladder["gate"]
+            md += [f"## The ladder at {budget_ref:g} MiB per stage", "",
+                   f"Quality gate: baseline validation loss {g['mean']:.4f} over {len(g['losses'])} seeds "
+                   f"(spread {g['spread']:.4f}), limit {g['limit']:.4f} (+{g['tolerance']:.0%}). Outcome: "
+                   f"**{ladder['outcome']}**.", "",
+                   "| rung | configuration | samples/s | step ms | bubble | peak MiB per stage | val loss |",
+                   "|---|---|---|---|---|---|---|"]
+            lrows = ladder_rows(ladder)
+            for x in lrows:
+                md.append(f"| {x['rung']} | {x['plan']} | {x['samples_per_s']:.1f} | {x['step_ms']:.0f} | "
+                          f"{x['bubble']:.2f} | {x['peaks_mb']} | {x['val_loss']:.4f} |")
+            if not lrows:
+                md.append("| (no ladder: the tuned plan did not beat the best stock configuration) |"
+                          " | | | | | |")
+            md += ["", "Tuner log:", "", *[f"    {line}" for line in ladder["log"]], ""]
+    if rows:
+        md += ["## Budget sweep", "",
+               "| budget MiB | best stock (measured) | stock ms | stock compromises | tuned plan | "
+               "tuned ms | speedup | peaks MiB stock / tuned |", "|---|---|---|---|---|---|---|---|"]
+        for x in rows:
+            if "error" in x:
+                md.append(f"| {x['budget_mb']:g} | {x['error']} | | | | | | |")
+                continue
+            md.append(f"| {x['budget_mb']:g} | {x['stock']} | {x['stock_ms']:.0f} | "
+                      f"{'yes' if x['stock_compromises'] else 'no'} | {x['tuned']} | {x['tuned_ms']:.0f} | "
+                      f"{x['speedup']:.2f}x | {x['stock_peaks_mb']} / {x['tuned_peaks_mb']} |")
+        ok = [x for x in rows if "speedup" in x]
+        comp = [x["speedup"] for x in ok if x["stock_compromises"]]
+        if ok:
+            md += ["", f"Speedup over the best measured stock configuration: mean "
+                   f"{statistics.mean(comp):.2f}x over the {len(comp)} budgets where it must compromise;"
+                   if comp else "",
+                   f"best {max(x['speedup'] for x in ok):.2f}x; mean over all {len(ok)} budgets "
+                   f"{statistics.mean(x['speedup'] for x in ok):.2f}x."]
+    return "\n".join(md) + "\n"
+
+
+def _plot(w, rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [x for x in rows if "speedup" in x]
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    ax.plot([x["budget_mb"] for x in ok], [x["speedup"] for x in ok], "o-", label="tuned plan")
+    for x in ok:
+        if x["stock_compromises"]:
+            ax.plot(x["budget_mb"], x["speedup"], "o", mfc="none", ms=12, color="tab:red")
+    ax.axhline(1.0, color="k", lw=0.8, label="best measured stock configuration")
+    ax.set_xlabel("per-stage memory budget, MiB (measured peak)")
+    ax.set_ylabel("samples/s over best stock")
+    ax.set_title(f"{w.title} (red: stock must compromise)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--budgets", default="120,100,80,64,52,44,38", help="MiB per stage, comma-separated")
-    p.add_argument("--ab-repeats", type=int, default=2)
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--workloads", default="finetune,pretrain")
+    p.add_argument("--budgets", default=None, help="MiB per stage, comma-separated (default: the workload's)")
+    p.add_argument("--no-ladder", action="store_true")
+    p.add_argument("--quick", action="store_true", help="the workloads' quick settings (a smoke run)")
     args = p.parse_args()
-    settings = QUICK if args.quick else FULL
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="ppq-sweep-") as tmp:
-        for b in [float(x) for x in args.budgets.split(",")]:
-            out = Path(tmp) / f"b{b:g}"
-            out.mkdir()
-            rows.append(tune_at(b, settings, out, args.ab_repeats))
-            print(json.dumps(rows[-1]), flush=True)
-    ok = [r for r in rows if "speedup" in r]
-    md = ["# Budget sweep: tuned plan vs the best measured stock configuration", "",
-          f"Machine: {machine()}", "",
-          "| budget MiB | best stock (measured) | stock ms | tuned plan | tuned ms | speedup | "
-          "peaks MiB (stock / tuned) |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            md.append(f"| {r['budget_mb']:g} | {r['error']} | | | | | |")
-            continue
-        stock = r["baseline"].removeprefix("stock: ")
-        md.append(f"| {r['budget_mb']:g} | {stock} | {r['baseline_ms']:.1f} | "
-                  f"{r['plan'] if r['outcome'] == 'tuned' else '(stock stands)'} | {r['tuned_ms']:.1f} | "
-                  f"{r['speedup']:.2f}x | {r['baseline_peak_mb']:.1f} / {r['tuned_peak_mb'] or 0:.1f} |")
-    if ok:
-        md += ["", f"Mean speedup over these budgets: {statistics.mean(r['speedup'] for r in ok):.2f}x; "
-               f"best {max(r['speedup'] for r in ok):.2f}x."]
-    write("autotune_budget_sweep", {"machine": machine(), "rows": rows}, "\n".join(md) + "\n")
-    if ok:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([r["budget_mb"] for r in ok], [r["speedup"] for r in ok], "o-")
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xlabel("per-stage memory budget, MiB")
-        ax.set_ylabel("samples/s vs best stock")
-        fig.tight_layout()
-        fig.savefig(RESULTS / "autotune_budget_sweep.png", dpi=110)
+    for name in args.workloads.split(","):
+        w = settings(name, args.quick)
+        m = machine()
+        budgets = [float(b) for b in args.budgets.split(",")] if args.budgets else w.sweep_mb
+        with tempfile.TemporaryDirectory(prefix=f"ppq-bench-{name}-") as tmp:
+            model = script_args(w, Path(tmp) / "pretrain.log")
+            ladder = None
+            if not args.no_ladder:
+                ladder = _tune(w, w.budget_mb, Path(tmp) / "ladder", model, {"ladder": True})
+                print(json.dumps({"ladder": ladder_rows(ladder) if "error" not in ladder else ladder}),
+                      flush=True)
+            # the fastest stock configuration with no budget: what "must compromise" is measured against
+            free = _tune(w, 1 << 20, Path(tmp) / "free", model, {"ladder": False, "seeds": 1, "ab_repeats": 0,
+                                                              "max_iterations": 1})
+            unconstrained = free["baseline"]["plan"] if "error" not in free else None
+            rows = []
+            for b in budgets:
+                r = _tune(w, b, Path(tmp) / f"b{b:g}", model, {"ladder": False})
+                rows.append(sweep_row(b, r, unconstrained))
+                print(json.dumps(rows[-1]), flush=True)
+        md = _markdown(w, m, ladder, rows, w.budget_mb, loadavg())
+        if unconstrained is not None:
+            md += f"\nFastest stock configuration with no budget: {_plan_label(unconstrained)}.\n"
+        out = Path(RESULTS)
+        (out / f"autotune_{name}.md").write_text(md)
+        (out / f"autotune_{name}.json").write_text(json.dumps(
+            {"machine": m, "workload": name, "ladder": ladder_rows(ladder) if ladder and "error" not in ladder
+             else ladder, "ladder_log": (ladder or {}).get("log"), "sweep": rows,
+             "unconstrained_stock": unconstrained}, indent=1, default=str) + "\n")
+        if any("speedup" in x for x in rows):
+            _plot(w, rows, out / f"autotune_{name}_sweep.png")
+        print(md)
     return 0
 
 

@@ -1,0 +1,125 @@
+"""The two workloads of the demo and the autotune benchmarks: pipelines whose stages are bound by weight
+memory, as an LLM's pipeline stages are.
+
+* ``pretrain``: pre-training a deep, narrow GPT (12 blocks of width 256, 32-token sequences, the
+  package's small GPT on stdlib text with a locally trained BPE). Weights, gradients and Adam states
+  are most of a stage's memory; the candidates are master-free int8 weights (the codes are the only
+  copy) and 8-bit optimizer states.
+* ``finetune``: LoRA fine-tuning of the same GPT, pre-trained once (``examples/pretrain_gpt.py``,
+  cached), on other text (stdlib files past the pretraining text). The base is frozen: its weights are
+  nearly all of a stage's memory; the candidates are NF4 and int8 storage of the frozen base (QLoRA),
+  against the stock baseline of the same LoRA fine-tune on the fp32 base.
+
+Both run ``examples/train_gpt_pipe.py`` unmodified, on 2 ranks with a global batch of 16, and let the
+tuner choose 1 or 2 pipeline stages (the other factor data parallel). ``settings(name, quick)`` gives a
+workload's model arguments and ``ppq.autotune`` section; ``ds_config`` writes the DeepSpeed config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "train_gpt_pipe.py"
+PRETRAIN_SCRIPT = ROOT / "examples" / "pretrain_gpt.py"
+GLOBAL_BATCH = 16
+
+
+@dataclass
+class Workload:
+    """One workload: the example script's model arguments, the tuner's settings and budgets (MiB)."""
+
+    name: str
+    title: str
+    model: list[str]
+    weights: dict
+    autotune: dict
+    budget_mb: float
+    sweep_mb: list[float]
+    lr: float
+    pretrain_steps: int = 0
+    train_steps: int = 30
+
+
+_MODEL = ["--n-layers", "12", "--d-model", "256", "--seq-len", "32"]
+_QUICK_MODEL = ["--n-layers", "6", "--d-model", "128", "--seq-len", "32", "--max-bytes", "400000"]
+_TUNE = {"trial_steps": 8, "warmup_steps": 2, "seeds": 3, "quality_steps": 60, "val_loss_tolerance": 0.03,
+         "stock_trials": 3, "val_batches": 4, "profile_reps": 3, "max_iterations": 3,
+         "pipeline_degrees": [1, 2], "ab_repeats": 2, "ladder": True}
+_QUICK_TUNE = {"trial_steps": 4, "warmup_steps": 1, "seeds": 1, "stock_trials": 2, "val_batches": 2,
+               "profile_reps": 2, "max_iterations": 2, "pipeline_degrees": [2], "ab_repeats": 0,
+               "quality_steps": 4, "ladder": True}
+
+WORKLOADS = {
+    "pretrain": Workload(
+        name="pretrain", title="pre-training a deep, narrow GPT", model=_MODEL,
+        weights={"keep_first_blocks": 1, "keep_last_blocks": 1},
+        autotune={**_TUNE, "formats": ["int8"], "master_free": True, "optimizer_8bit": True},
+        budget_mb=72, sweep_mb=[160, 120, 100, 88, 80, 72, 64, 56], lr=1e-3),
+    "finetune": Workload(
+        name="finetune", title="LoRA fine-tuning of a pretrained GPT on other text", model=_MODEL,
+        weights={"keep_first_blocks": 0, "keep_last_blocks": 0},
+        autotune={**_TUNE, "formats": ["nf4", "int8"], "master_free": False, "optimizer_8bit": True},
+        budget_mb=32, sweep_mb=[64, 48, 40, 36, 32, 28, 24, 20], lr=2e-3, pretrain_steps=400),
+}
+
+
+def settings(name: str, quick: bool = False) -> Workload:
+    """The workload ``name``; ``quick``: a smaller model and short trials (the tests)."""
+    if name not in WORKLOADS:
+        raise SystemExit(f"workload {name!r} is not one of {sorted(WORKLOADS)}")
+    w = WORKLOADS[name]
+    if not quick:
+        return w
+    return Workload(name=w.name, title=w.title, model=_QUICK_MODEL, weights=w.weights,
+                    autotune={**_QUICK_TUNE, **{k: w.autotune[k] for k in ("formats", "master_free")}},
+                    budget_mb=16 if name == "pretrain" else 12, sweep_mb=[], lr=w.lr,
+                    pretrain_steps=min(w.pretrain_steps, 20), train_steps=6)
+
+
+def pretrained(w: Workload, log: Path | None = None) -> Path | None:
+    """The workload's pretrained base (``examples/pretrain_gpt.py``), trained once and cached under the
+    data cache (``PPQ_CACHE_DIR``); None for a workload trained from scratch."""
+    if not w.pretrain_steps:
+        return None
+    from deepspeed_ppq.data import cache_dir
+
+    args = [*w.model, "--steps", str(w.pretrain_steps)]
+    key = hashlib.sha256(json.dumps(args).encode()).hexdigest()[:12]
+    path = cache_dir() / f"pretrained-gpt-{key}.pt"
+    if not path.exists():
+        print(f"pretraining the base once ({' '.join(args)}; cached as {path})", flush=True)
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        with open(log or os.devnull, "w") as f:
+            subprocess.run([sys.executable, str(PRETRAIN_SCRIPT), *args, "--out", str(path)], check=True,
+                           stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    return path
+
+
+def script_args(w: Workload, log: Path | None = None) -> list[str]:
+    """The example script's arguments for the workload (pretraining the fine-tune's base if needed)."""
+    base = pretrained(w, log)
+    return [*w.model, *(["--finetune", str(base)] if base else [])]
+
+
+def ds_config(out: Path, w: Workload, budget_mb: float, plan_file: str | None = None,
+              autotune: dict | None = None) -> Path:
+    """Write the workload's DeepSpeed config (with its ``ppq.autotune`` section, or the plan file)."""
+    cfg = {
+        "train_batch_size": GLOBAL_BATCH,
+        "steps_per_print": 10,
+        "optimizer": {"type": "Adam", "params": {"lr": w.lr}},
+        "ppq": {"weights": dict(w.weights),
+                "autotune": {**w.autotune, **(autotune or {}), "memory_budget": int(budget_mb * 2**20)}},
+    }
+    if plan_file:
+        cfg["ppq"]["plan_file"] = plan_file
+    path = out / ("ds_plan.json" if plan_file else "ds_tune.json")
+    path.write_text(json.dumps(cfg, indent=1))
+    return path
