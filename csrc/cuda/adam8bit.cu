@@ -1,23 +1,25 @@
 // Adam/AdamW with blockwise 8-bit states (bitsandbytes' layout) on CUDA: ppq::adam8bit_blockwise_step_.
 //
 // Design note.
-// * The math is deepspeed_ppq/quant/adam8bit.py's, operation for operation in fp32, as csrc/cpu/adam8bit.cpp
-//   does it (same order, the _rn intrinsics so nvcc cannot fuse a product into an FMA, IEEE sqrt and
-//   division): states decoded through the 256-entry maps and the block absmax, the Adam update with
-//   decoupled weight decay, the new absmax, and the states re-encoded to the nearest code = the number of
-//   code midpoints below the normalised value (a tie goes to the lower code). The host-side scalars
-//   (bias corrections, step size) are computed in double exactly as the CPU kernel computes them. So for
-//   finite values the parameters, absmax and codes equal the CPU kernel's bit for bit.
+// * The math is deepspeed_ppq/quant/adam8bit.py's, operation for operation in fp32, as csrc/cpu/adam8bit.h
+//   does it (same order; the _rn intrinsics so nvcc cannot fuse a product into an FMA; IEEE square root
+//   and division): states decoded through the 256-entry maps and the block absmax, the Adam update in
+//   bitsandbytes' CUDA form p + step_size * (m / (sqrt(v) + eps * c2)) with decoupled weight decay, the
+//   new absmax, and the states re-encoded to the nearest code of m * (1 / absmax) = the number of code
+//   midpoints below it (a tie goes to the lower code). The host-side scalars (step size, eps * c2) are
+//   computed in double exactly as the CPU kernel's make_hyper computes them. So the parameters, absmax
+//   and codes equal the CPU kernel's (and the reference's) bit for bit.
 // * One thread per value and one 256-thread block per optimizer block of 256 values: the block's absmax is
 //   a warp-shuffle + shared-memory max (a NaN is skipped, as the CPU kernel's std::max skips it). A grid of
-//   at most kMaxBlocks blocks strides over the optimizer blocks, so each thread block stages the two code
+//   at most kMaxBlocks blocks strides over the optimizer blocks, so each thread block prepares the two code
 //   maps once and reuses them.
-// * Nearest code: the 255 midpoints of each map sit in shared memory in Eytzinger (breadth-first) order and
-//   the search is 8 branch-free steps i = 2i + 1 + (mid[i] < y), which ends at 255 + (midpoints below y).
-//   The first levels are read by all threads from a few words (broadcasts); level l spans 2^l consecutive
-//   words, so bank conflicts stay at most 4-way. (The CPU kernel's cell tables, 2 x 24 KiB per map, would
-//   not fit next to the maps in shared memory.) A NaN state value gets code 0 here; the CPU kernel's
-//   table gives +NaN the top code, so codes may differ where the update itself is already NaN.
+// * Nearest code: the 255 midpoints of each map sit in shared memory sorted (each placed at its rank, so
+//   any map is counted exactly) in Eytzinger (breadth-first) order, and the search is 8 branch-free steps
+//   i = 2i + 1 + (mid[i] < y), which ends at 255 + (midpoints below y). The first levels are read by all
+//   threads from a few words (broadcasts); level l spans 2^l consecutive words, so bank conflicts stay at
+//   most 4-way. (The CPU kernel's cell table, 192 KiB per map, would not fit in shared memory.) A NaN
+//   state value is searched as an infinity of its sign, which gives the code the CPU kernel's table gives
+//   it for bitsandbytes' maps (255 for +NaN, 0 for -NaN).
 // * Plain CUDA C++ (raw pointers and a stream) so nvcc compiles it on CPU-only CI; adam8bit_binding.cpp
 //   validates the tensors.
 #include <cuda_runtime.h>
@@ -33,9 +35,12 @@ namespace {
 constexpr int kBlock = 256;        // values per absmax (bitsandbytes' blockwise optimizers) = threads
 constexpr int kMaxBlocks = 2048;   // thread blocks of the grid-stride loop
 
-struct Scalars {  // the update's fp32 constants, as the CPU kernel rounds them
-  float b1, b2, ob1, ob2, c2, step_size, e, gs, decay;
-  bool wd;
+struct Scalars {  // the update's fp32 constants, as the CPU kernel's make_hyper rounds them
+  float b1, b2, ob1, ob2;  // beta1, beta2, 1 - beta1, 1 - beta2
+  float eps2;              // eps * sqrt(1 - beta2^t)
+  float step_size;         // -lr * sqrt(1 - beta2^t) / (1 - beta1^t)
+  float gs, decay;         // gnorm_scale, 1 - lr * weight_decay
+  bool wd, scale_g;        // weight_decay > 0, gnorm_scale != 1
 };
 
 // Position of sorted midpoint j (0..254) in the breadth-first layout of a complete tree of 255 keys.
@@ -44,8 +49,9 @@ __device__ __forceinline__ int eytzinger(int j) {
   return (1 << (7 - tz)) - 1 + (v >> (tz + 1));
 }
 
-// Number of midpoints below y (0..255).
+// Number of midpoints below y (0..255); a NaN counts as an infinity of its sign.
 __device__ __forceinline__ uint8_t nearest(const float* tree, float y) {
+  if (y != y) y = __float_as_uint(y) >> 31 ? -INFINITY : INFINITY;
   int i = 0;
 #pragma unroll
   for (int l = 0; l < 8; ++l) i = 2 * i + 1 + (tree[i] < y ? 1 : 0);
@@ -57,14 +63,26 @@ __global__ void __launch_bounds__(kBlock)
                     uint8_t* __restrict__ state2, float* __restrict__ absmax1, float* __restrict__ absmax2,
                     const float* __restrict__ qmap1, const float* __restrict__ qmap2, int64_t n, int64_t nb,
                     Scalars k) {
-  __shared__ float val1[256], val2[256], tree1[256], tree2[256];
+  __shared__ float val1[256], val2[256], tree1[256], tree2[256], mid1[256], mid2[256];
   __shared__ float red1[kBlock / 32], red2[kBlock / 32];
   const int t = threadIdx.x;
   val1[t] = qmap1[t];
   val2[t] = qmap2[t];
+  __syncthreads();
   if (t < 255) {
-    tree1[eytzinger(t)] = __fdiv_rn(__fadd_rn(qmap1[t], qmap1[t + 1]), 2.0f);
-    tree2[eytzinger(t)] = __fdiv_rn(__fadd_rn(qmap2[t], qmap2[t + 1]), 2.0f);
+    mid1[t] = __fdiv_rn(__fadd_rn(val1[t], val1[t + 1]), 2.0f);
+    mid2[t] = __fdiv_rn(__fadd_rn(val2[t], val2[t + 1]), 2.0f);
+  }
+  __syncthreads();
+  if (t < 255) {  // midpoint t at its rank among the 255 (ties by index), in breadth-first order
+    const float x1 = mid1[t], x2 = mid2[t];
+    int r1 = 0, r2 = 0;
+    for (int j = 0; j < 255; ++j) {
+      r1 += mid1[j] < x1 || (mid1[j] == x1 && j < t);
+      r2 += mid2[j] < x2 || (mid2[j] == x2 && j < t);
+    }
+    tree1[eytzinger(r1)] = x1;
+    tree2[eytzinger(r2)] = x2;
   }
   __syncthreads();
   for (int64_t b = blockIdx.x; b < nb; b += gridDim.x) {
@@ -73,12 +91,12 @@ __global__ void __launch_bounds__(kBlock)
     const float a1 = absmax1[b], a2 = absmax2[b];
     float v1 = 0.0f, v2 = 0.0f;
     if (ok) {
-      const float gi = __fmul_rn(g[i], k.gs);
+      const float gi = k.scale_g ? __fmul_rn(g[i], k.gs) : g[i];
       v1 = __fadd_rn(__fmul_rn(__fmul_rn(val1[state1[i]], a1), k.b1), __fmul_rn(gi, k.ob1));
       v2 = __fadd_rn(__fmul_rn(__fmul_rn(val2[state2[i]], a2), k.b2), __fmul_rn(__fmul_rn(gi, gi), k.ob2));
       float w = p[i];
       if (k.wd) w = __fmul_rn(w, k.decay);
-      const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v2), k.c2), k.e);
+      const float denom = __fadd_rn(__fsqrt_rn(v2), k.eps2);
       p[i] = __fadd_rn(w, __fmul_rn(k.step_size, __fdiv_rn(v1, denom)));
     }
     // block max of |v1| and of v2, from 0; fmaxf drops a NaN operand (the CPU kernel's std::max skips it)
@@ -103,9 +121,10 @@ __global__ void __launch_bounds__(kBlock)
       absmax2[b] = m2;
     }
     if (ok) {
-      const float r1 = m1 > 0.0f ? m1 : 1.0f, r2 = m2 > 0.0f ? m2 : 1.0f;  // all-zero block: codes of 0
-      state1[i] = nearest(tree1, __fdiv_rn(v1, r1));
-      state2[i] = nearest(tree2, __fdiv_rn(v2, r2));
+      // the block's reciprocals (all-zero block: 1, codes of 0)
+      const float r1 = __fdiv_rn(1.0f, m1 > 0.0f ? m1 : 1.0f), r2 = __fdiv_rn(1.0f, m2 > 0.0f ? m2 : 1.0f);
+      state1[i] = nearest(tree1, __fmul_rn(v1, r1));
+      state2[i] = nearest(tree2, __fmul_rn(v2, r2));
     }
   }
 }
@@ -117,17 +136,19 @@ cudaError_t adam8bit_blockwise_step(float* p, const float* g, uint8_t* state1, u
                                     double beta1, double beta2, double eps, int64_t step, double lr,
                                     double weight_decay, double gnorm_scale, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  Scalars k;  // as csrc/cpu/adam8bit.cpp rounds them
+  // as csrc/cpu/adam8bit.h's make_hyper rounds them
+  const double c1 = 1.0 - std::pow(beta1, double(step)), c2 = std::sqrt(1.0 - std::pow(beta2, double(step)));
+  Scalars k;
   k.b1 = float(beta1);
   k.b2 = float(beta2);
   k.ob1 = float(1.0 - beta1);
   k.ob2 = float(1.0 - beta2);
-  k.c2 = float(std::sqrt(1.0 - std::pow(beta2, double(step))));
-  k.step_size = float(-lr / (1.0 - std::pow(beta1, double(step))));
-  k.e = float(eps);
+  k.eps2 = float(eps * c2);
+  k.step_size = float((-lr * c2) / c1);
   k.gs = float(gnorm_scale);
   k.decay = float(1.0 - lr * weight_decay);
   k.wd = weight_decay > 0.0;
+  k.scale_g = k.gs != 1.0f;
   const int64_t nb = (n + kBlock - 1) / kBlock;
   adam8bit_kernel<<<common::grid_blocks(nb, 1, kMaxBlocks), kBlock, 0, stream>>>(p, g, state1, state2, absmax1,
                                                                                  absmax2, qmap1, qmap2, n, nb, k);
