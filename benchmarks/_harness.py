@@ -50,6 +50,7 @@ __all__ = [
     "time_once",
     "x_copy",
     "write_results",
+    "write_report",
     "md_table",
 ]
 
@@ -222,3 +223,15 @@ def write_results(
         with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
             f.write(text)
     return text
+
+
+def write_report(name: str, data: dict, markdown: str) -> None:
+    """Write benchmarks/results/<name>.json (``data``) and .md (``markdown``, written by the benchmark,
+    which starts it with ``machine_line``): for results that are not one table."""
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
+        json.dump(data, f, indent=1, default=str)
+        f.write("\n")
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
+        f.write(markdown)
+    print(f"wrote {os.path.join(RESULTS, name)}.json and .md")

@@ -23,9 +23,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import machine, write  # noqa: E402
+from _harness import machine, machine_line, write_report  # noqa: E402
 
 SCRIPT = ROOT / "examples" / "train_gpt_pipe.py"
 CONFIG = ROOT / "configs" / "ds_cpu_smoke.json"
@@ -70,7 +70,7 @@ def main() -> int:
     tuned = plan["measured_step_time"]
     user = statistics.median(times)
     mem = [line for line in report.splitlines() if line.startswith("Memory model:")]
-    md = ["# A tuned plan in the user's own run", "", f"Machine: {machine()}", "",
+    md = ["# A tuned plan in the user's own run", "", machine_line(machine()), "",
           f"`ppq tune examples/train_gpt_pipe.py --deepspeed_config configs/ds_cpu_smoke.json --budget-mb "
           f"{args.budget_mb:g}`; plan: {plan['notes'][0]}, boundaries {plan['derived']['boundaries']}, "
           f"micro-batch {plan['micro_batch_size']} x {plan['num_microbatches']}, formats "
@@ -81,7 +81,7 @@ def main() -> int:
           f"| the user's run with plan_file, median of {args.runs} | {user * 1e3:.1f} ms "
           f"({', '.join(f'{t * 1e3:.1f}' for t in times)}) |",
           f"| difference | {(user - tuned) / tuned:+.1%} |", "", *mem, ""]
-    write("autotune_plan_reproduction", {"machine": machine(), "budget_mb": args.budget_mb, "plan": plan,
+    write_report("autotune_plan_reproduction", {"machine": machine(), "budget_mb": args.budget_mb, "plan": plan,
                                          "tuner_step_time": tuned, "user_step_times": times,
                                          "memory_model": mem}, "\n".join(md))
     print("\n".join(md))

@@ -18,9 +18,9 @@ import time
 from itertools import combinations, product
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import machine, write  # noqa: E402
+from _harness import machine, machine_line, write_report  # noqa: E402
 
 from deepspeed_ppq.autotune.costs import NO_CODEC, CodecOption, LayerProfile, LinkModel  # noqa: E402
 from deepspeed_ppq.autotune.planner import (  # noqa: E402
@@ -207,7 +207,7 @@ def main() -> None:
     md = [
         "# Planner benchmark",
         "",
-        f"Machine: {machine()}",
+        machine_line(machine()),
         "",
         f"- Check: the DP's optimum equals brute force on {n_checked} random 6-layer, 3-stage instances.",
         f"- **96 layers, 16 stages, all knobs** ({n_knobs} outer settings; per stage 4 precision levels x "
@@ -243,7 +243,7 @@ def main() -> None:
         "heavy_full_search_step_s": full.predicted_step_time,
     }
     print("\n".join(md))
-    write("autotune_planner", data, "\n".join(md))
+    write_report("autotune_planner", data, "\n".join(md))
     del tuned_k
 
 

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "examples" / "demo"))
 
-from _harness import RESULTS, loadavg, machine, machine_line  # noqa: E402
+from _harness import RESULTS, loadavg, machine, machine_line, write_report  # noqa: E402
 from workloads import SCRIPT, ds_config, script_args, settings  # noqa: E402
 
 from deepspeed_ppq.autotune.loop import measured_bubble  # noqa: E402
@@ -201,14 +201,12 @@ def main() -> int:
         md = _markdown(w, m, ladder, rows, w.budget_mb, loadavg())
         if unconstrained is not None:
             md += f"\nFastest stock configuration with no budget: {_plan_label(unconstrained)}.\n"
-        out = Path(RESULTS)
-        (out / f"autotune_{name}.md").write_text(md)
-        (out / f"autotune_{name}.json").write_text(json.dumps(
-            {"machine": m, "workload": name, "ladder": ladder_rows(ladder) if ladder and "error" not in ladder
-             else ladder, "ladder_log": (ladder or {}).get("log"), "sweep": rows,
-             "unconstrained_stock": unconstrained}, indent=1, default=str) + "\n")
+        write_report(f"autotune_{name}", {
+            "machine": m, "workload": name,
+            "ladder": ladder_rows(ladder) if ladder and "error" not in ladder else ladder,
+            "ladder_log": (ladder or {}).get("log"), "sweep": rows, "unconstrained_stock": unconstrained}, md)
         if any("speedup" in x for x in rows):
-            _plot(w, rows, out / f"autotune_{name}_sweep.png")
+            _plot(w, rows, Path(RESULTS) / f"autotune_{name}_sweep.png")
         print(md)
     return 0
 
