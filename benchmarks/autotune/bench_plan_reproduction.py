@@ -81,9 +81,9 @@ def main() -> int:
           f"| the user's run with plan_file, median of {args.runs} | {user * 1e3:.1f} ms "
           f"({', '.join(f'{t * 1e3:.1f}' for t in times)}) |",
           f"| difference | {(user - tuned) / tuned:+.1%} |", "", *mem, ""]
-    write_report("autotune_plan_reproduction", {"machine": machine(), "budget_mb": args.budget_mb, "plan": plan,
-                                         "tuner_step_time": tuned, "user_step_times": times,
-                                         "memory_model": mem}, "\n".join(md))
+    write_report("autotune_plan_reproduction",
+                 {"machine": machine(), "budget_mb": args.budget_mb, "plan": plan, "tuner_step_time": tuned,
+                  "user_step_times": times, "memory_model": mem}, "\n".join(md))
     print("\n".join(md))
     return 0
 
