@@ -145,8 +145,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--ref-reps", type=int, default=2)
     ap.add_argument("--formats", nargs="*", default=list(wops.WEIGHT_FORMATS))
+    ap.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     assert native_status()["_C"] == "loaded", f"C++ extension: {native_status()['_C']} (run `make build`)"
     assert all(has_kernel(n) for n in ("weight_quantize_out", "weight_dequantize_out"))
     F, bnb_version = _bnb()

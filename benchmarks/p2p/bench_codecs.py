@@ -50,8 +50,11 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--ref-reps", type=int, default=1)
     ap.add_argument("--topk-ratio", type=float, default=0.1)
+    ap.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if not has_kernel("quant_encode"):
         raise SystemExit("the C++ extension is not built: run `make build` first")
     m = machine()
