@@ -12,8 +12,10 @@
 //   binary-search quantizer, ~25 ns per parameter; the 8-bit states the autotuner wants for their
 //   memory then cost more time than they save.
 // * One pass over memory: a block's new states wait in two 1 KiB stack buffers (L1) between the update
-//   and the encode. Blocks are independent: OpenMP splits them statically over torch's intra-op
-//   threads (at::get_num_threads(), the count torch's fused Adam uses too).
+//   and the encode. Blocks are independent: OpenMP hands them out 32 at a time over torch's intra-op
+//   threads (at::get_num_threads(), the count torch's fused Adam uses too); dynamically, so a thread
+//   the OS takes off its core (a shared machine, a data loader beside the step) does not hold the
+//   others at the barrier.
 // * The encode looks the nearest code up by the value's float bits instead of searching: the top 16
 //   bits (sign, exponent, 7 mantissa bits) of y in [-1, 1] name a cell of width 2^-7 relative; for
 //   bitsandbytes' maps no cell holds more than one midpoint (checked when the table is built), so the
@@ -83,7 +85,7 @@ void adam8bit_blockwise_step_(at::Tensor& p, const at::Tensor& g, at::Tensor& st
   uint8_t* q2 = state2.data_ptr<uint8_t>();
   float* a1p = absmax1.data_ptr<float>();
   float* a2p = absmax2.data_ptr<float>();
-#pragma omp parallel for num_threads(std::max(1, at::get_num_threads())) schedule(static) if (n > (1 << 16))
+#pragma omp parallel for num_threads(std::max(1, at::get_num_threads())) schedule(dynamic, 32) if (n > (1 << 16))
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t i0 = b * kBlock;
     ppq::adam8::block_step(h, m1, m2, pp + i0, gp + i0, q1 + i0, q2 + i0, a1p + b, a2p + b,

@@ -14,8 +14,8 @@
 //   optimizer blocks) is dequantized into a stack buffer (16 KiB at most: L1), updated there and
 //   re-quantized from there: the layer's bytes cross memory once (codes, scales, gradient and states in;
 //   codes, scales and states out), and nothing is allocated.
-// * Chunks are independent (the SR counter of value i is offset + i whatever the order): OpenMP splits
-//   them statically over torch's intra-op threads.
+// * Chunks are independent (the SR counter of value i is offset + i whatever the order): OpenMP hands
+//   them out dynamically, 4 at a time, over torch's intra-op threads.
 // * Only per-block scales (a per-tensor fp8 scale needs the whole tensor's absmax before any code: the
 //   Python front end runs the three ops for such layers).
 // * Built with -ffp-contract=off (setup.py): products and sums round separately, as the reference's.
@@ -151,7 +151,7 @@ void run(uint8_t* codes, void* scales, bool sbf, int64_t B, int64_t n, const flo
   auto scale_at = [&](int64_t b) {
     return sbf ? static_cast<float>(static_cast<const c10::BFloat16*>(scales)[b]) : static_cast<const float*>(scales)[b];
   };
-#pragma omp parallel for num_threads(std::max(1, at::get_num_threads())) schedule(static) if (n > (1 << 15))
+#pragma omp parallel for num_threads(std::max(1, at::get_num_threads())) schedule(dynamic, 4) if (n > (1 << 15))
   for (int64_t c = 0; c < nchunks; ++c) {
     alignas(64) float w[4096];
     const int64_t i0 = c * C, len = std::min(C, n - i0);

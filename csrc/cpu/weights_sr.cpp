@@ -101,10 +101,13 @@ void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B
     else static_cast<float*>(scales.data_ptr())[j] = s;
   };
   const bool par = n > (1 << 15);  // small tensors stay on one thread
+  // blocks handed out dynamically, ~8k values at a time: a thread the OS takes off its core does not hold
+  // the others at the barrier
+  const int64_t chunk = std::max<int64_t>(1, 8192 / B);
   if (per_tensor) {
     bool bad = false;
     float m = 0.0f;
-#pragma omp parallel for num_threads(par ? threads() : 1) schedule(static) reduction(max : m) reduction(|| : bad)
+#pragma omp parallel for num_threads(par ? threads() : 1) schedule(dynamic, chunk) reduction(max : m) reduction(|| : bad)
     for (int64_t b = 0; b < nb; ++b) {
       bool bb;
       const int64_t i0 = b * B;
@@ -114,7 +117,7 @@ void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B
     }
     const float s = ppq::sr::stored_scale(m, bad, qmax, sbf);
     put_scale(0, s);
-#pragma omp parallel for num_threads(par ? threads() : 1) schedule(static)
+#pragma omp parallel for num_threads(par ? threads() : 1) schedule(dynamic, chunk)
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t i0 = b * B, len = std::min(n, i0 + B) - i0;
       const void* xb = xp + i0 * es;
@@ -124,7 +127,7 @@ void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B
     }
     return;
   }
-#pragma omp parallel for num_threads(par ? threads() : 1) schedule(static)
+#pragma omp parallel for num_threads(par ? threads() : 1) schedule(dynamic, chunk)
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t i0 = b * B, len = std::min(n, i0 + B) - i0;
     const void* xb = xp + i0 * es;
