@@ -28,6 +28,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from deepspeed_ppq.formats import FORMATS, MASTER_FREE_FORMATS, format_spec
+
 __all__ = [
     "WeightFormat",
     "PrecisionRule",
@@ -55,16 +57,16 @@ class _Model(BaseModel):
 class WeightFormat(str, Enum):
     """Storage formats for weights (``none`` keeps the training dtype)."""
 
+    # none, then one member per row of the format table (deepspeed_ppq.formats.FORMATS), named as the row
+    _ignore_ = ["_spec"]
     none = "none"
-    int8 = "int8"
-    int4 = "int4"
-    nf4 = "nf4"
-    fp8_e4m3 = "fp8_e4m3"
-    fp8_e5m2 = "fp8_e5m2"
+    for _spec in FORMATS:
+        vars()[_spec.name] = _spec.name
 
     @property
     def bits(self) -> int:
-        return {"none": 32, "int8": 8, "int4": 4, "nf4": 4, "fp8_e4m3": 8, "fp8_e5m2": 8}[self.value]
+        """Bits per stored value (32 for ``none``: the training dtype counted as fp32)."""
+        return 32 if self.value == "none" else format_spec(self.value).bits
 
 
 class PrecisionRule(_Model):
@@ -116,10 +118,11 @@ class WeightsConfig(_Model):
             if self.mode != "train":
                 raise ValueError(f"master='none' is a train-mode option (got mode={self.mode!r})")
             bad = [f for f in [self.format, *(r.format for r in self.rules)]
-                   if f in (WeightFormat.int4, WeightFormat.nf4)]
+                   if f != WeightFormat.none and not format_spec(f).master_free]
             if bad:
+                allowed = ", ".join(MASTER_FREE_FORMATS)
                 raise ValueError(
-                    f"master='none' needs 8-bit codes (int8, fp8_e4m3, fp8_e5m2), got {bad[0].value!r}: "
+                    f"master='none' needs 8-bit codes ({allowed}), got {bad[0].value!r}: "
                     "a 4-bit grid loses most updates even with stochastic rounding; use master='fp32'"
                 )
         return self
