@@ -167,6 +167,20 @@ class CodecConfig(_Model):
             )
         return self
 
+    def direction_problem(self, direction: str) -> str | None:
+        """What of this codec the ``direction`` it is used for would ignore, or None.
+
+        Only a gradient reuses the activation's TopK indices, and an evaluation sends no gradients, so
+        ``reuse_indices=false`` on activations and any ``compress_eval`` on gradients would be accepted and
+        ignored; both are refused instead."""
+        if direction == "activations" and not self.reuse_indices:
+            return ("reuse_indices=false has no effect on activations: only a gradient reuses the "
+                    "activation's TopK indices; drop it (gradients.reuse_indices decides)")
+        if direction == "gradients" and self.compress_eval is not None:
+            return (f"compress_eval={self.compress_eval} has no effect on gradients: an evaluation sends no "
+                    "gradients; drop it (activations.compress_eval decides what an evaluation sends)")
+        return None
+
     @property
     def enabled(self) -> bool:
         return self.method != "none"
@@ -332,6 +346,16 @@ class AutotuneConfig(_Model):
             raise ValueError(f"{v} must be a non-empty list of positive integers, e.g. [1, 2, 4]")
         return v
 
+    @field_validator("activation_codecs", "gradient_codecs")
+    @classmethod
+    def _codecs_fit_direction(cls, codecs: list[CodecConfig], info) -> list[CodecConfig]:
+        direction = "activations" if info.field_name == "activation_codecs" else "gradients"
+        for i, codec in enumerate(codecs):
+            problem = codec.direction_problem(direction)
+            if problem:
+                raise ValueError(f"candidate {i}: {problem}")
+        return codecs
+
     @model_validator(mode="after")
     def _steps(self) -> AutotuneConfig:
         if self.warmup_steps >= self.trial_steps:
@@ -358,6 +382,14 @@ class PPQConfig(_Model):
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     autotune: AutotuneConfig = Field(default_factory=AutotuneConfig)
     plan_file: str | None = None
+
+    @field_validator("activations", "gradients")
+    @classmethod
+    def _codec_fits_direction(cls, codec: CodecConfig, info) -> CodecConfig:
+        problem = codec.direction_problem(info.field_name)
+        if problem:
+            raise ValueError(problem)
+        return codec
 
     @model_validator(mode="after")
     def _cross_checks(self) -> PPQConfig:
