@@ -27,7 +27,7 @@ import argparse
 import json
 import os
 
-from deepspeed_ppq.config import PPQConfig, load_ppq_config
+from deepspeed_ppq.config import PPQConfig, PPQConfigError, load_ppq_config
 
 from ._compat import ALLOW_UNTESTED_ENV, TESTED_MEGATRON_VERSIONS, check_megatron_version
 from .args import add_ppq_args, args_to_ppq_config, check_megatron_compatible, ppq_flags
@@ -36,6 +36,7 @@ __all__ = [
     "add_ppq_args",
     "args_to_ppq_config",
     "check_megatron_compatible",
+    "check_honoured_on_megatron",
     "apply",
     "remove",
     "TESTED_MEGATRON_VERSIONS",
@@ -46,6 +47,35 @@ __all__ = [
 
 # megatron_patches.run hands the validated section to an ``apply`` inside the script through this.
 CONFIG_ENV = "PPQ_MEGATRON_CONFIG"
+
+
+def check_honoured_on_megatron(cfg: PPQConfig) -> None:
+    """Refuse the settings only the DeepSpeed path carries out, so none is accepted and ignored here.
+
+    Raises:
+        PPQConfigError: naming each flag and what to use on Megatron instead.
+    """
+    problems = []
+    if cfg.weights.optimizer_8bit:
+        problems.append(
+            "--ppq-weights-optimizer-8bit: bitsandbytes 8-bit Adam is built by deepspeed_ppq.initialize; "
+            "Megatron builds its own optimizer: drop the flag (megatron-core keeps lower-precision Adam "
+            "states with --use-precision-aware-optimizer --exp-avg-dtype/--exp-avg-sq-dtype)")
+    if cfg.weights.master == "none" and (cfg.weights.format.value != "none" or cfg.weights.rules):
+        problems.append(
+            "--ppq-weights-master none: master-free low-bit weights are updated by the DeepSpeed engine's "
+            "own step; megatron-core's optimizer updates a master weight: use --ppq-weights-master fp32")
+    if "watchdog_timeout_s" in cfg.model_fields_set:
+        problems.append(
+            "--ppq-watchdog-timeout-s: the watchdog runs inside the DeepSpeed pipeline engine; on Megatron "
+            "a stuck rank is ended by the process group's timeout: --distributed-timeout-minutes N")
+    if "autotune" in cfg.model_fields_set:
+        problems.append(
+            "--ppq-autotune-*: these settings steer `ppq tune`, which tunes DeepSpeed scripts; on Megatron "
+            "train with a tuned plan: --ppq-plan-file plan.json")
+    if problems:
+        raise PPQConfigError("ppq settings that only the DeepSpeed path carries out:\n  "
+                             + "\n  ".join(problems))
 
 
 def _given(args: argparse.Namespace) -> bool:
@@ -77,6 +107,7 @@ def apply(args: argparse.Namespace | None = None, cfg: PPQConfig | dict | None =
     else:
         cfg = PPQConfig()
     check_megatron_compatible(cfg, args)
+    check_honoured_on_megatron(cfg)
     check_megatron_version("ppq")
     if cfg.activations.enabled or cfg.gradients.enabled:
         from .p2p import install_compressed_p2p

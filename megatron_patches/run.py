@@ -45,7 +45,7 @@ from pathlib import Path
 
 from deepspeed_ppq.config import PPQConfigError, WeightFormat
 
-from . import CONFIG_ENV, apply
+from . import CONFIG_ENV, apply, check_honoured_on_megatron
 from .args import add_ppq_args, args_to_ppq_config, check_megatron_compatible, partition_layout
 
 __all__ = ["prepare", "plan_to_megatron", "cpu_defaults", "main"]
@@ -88,10 +88,18 @@ def plan_to_megatron(plan_path: str) -> tuple[list[str], dict]:
 
     Raises:
         PlanError: an unreadable plan or another schema version.
+        PPQConfigError: a plan with 8-bit Adam states or master-free weights (DeepSpeed only).
     """
     from deepspeed_ppq.autotune.plan import load_plan
 
     plan = load_plan(plan_path)
+    chosen = {"8-bit Adam states (autotune.optimizer_8bit=false tunes without)": plan.optimizer_8bit,
+              "master-free low-bit weights (autotune.master_free=false tunes without)": plan.master_free}
+    deepspeed_only = [what for what, used in chosen.items() if used]
+    if deepspeed_only:
+        raise PPQConfigError(f"--ppq-plan-file {plan_path}: the plan uses {' and '.join(deepspeed_only)}, "
+                             "which only the DeepSpeed path carries out; its memory figures would not hold "
+                             "on Megatron: tune again without")
     flags = [tok for f in plan.megatron_flags() for tok in f.split()]
     section = plan.ppq_section()
     # The plan's layers are [embedding, block 0, ..., block n-1, head]: block b is Megatron's
@@ -155,6 +163,7 @@ def prepare(argv: list[str]) -> tuple[list[str], dict]:
                       f"--ppq-partition-boundaries {json.dumps(cfg.partition.boundaries)}")
         view = _megatron_view(rest)
     check_megatron_compatible(cfg, view)
+    check_honoured_on_megatron(cfg)
     if view.transformer_impl == "transformer_engine" and cfg.weights.format == WeightFormat.fp8_e4m3:
         from .layers import te_fp8_settings
 
