@@ -75,3 +75,26 @@ def test_resume_into_other_setup_names_the_difference(results):
         err = res["other_optimizer"]["error"]
         assert "optimizer.class: checkpoint has 'Adam', this run has 'SGD'" in err, err
         assert "load_optimizer_states=False" in err, err
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random bytes", "other format", "not a dict"])
+def test_unreadable_or_foreign_state_file_names_the_file(tmp_path, damage):
+    """A damaged ``ppq_state_rank<R>.pt`` stops naming the file and the way out, not a raw traceback."""
+    import torch
+
+    from deepspeed_ppq.config import PPQConfigError
+    from deepspeed_ppq.integrations.codec_state import read_state
+
+    good = ROOT / "tests" / "golden" / "resume_v1" / "golden" / "ppq_state_rank0.pt"
+    assert read_state(str(good))["format"] == 1  # the undamaged file reads
+    path = tmp_path / "ppq_state_rank0.pt"
+    if damage == "truncated":
+        path.write_bytes(good.read_bytes()[:200])
+    elif damage == "random bytes":
+        path.write_bytes(bytes(range(256)) * 4)
+    else:
+        torch.save({"format": 7} if damage == "other format" else [1, 2], path)
+    want = "ppq checkpoint state format" if damage in ("other format", "not a dict") else \
+        "not a readable ppq checkpoint state file"
+    with pytest.raises(PPQConfigError, match=rf"(?s){path}: {want}.*load_module_only=True"):
+        read_state(str(path))
