@@ -144,6 +144,15 @@ struct NF4Bins {
   }
 };
 constexpr NF4Bins kBins{};
+// 16 x the 15 NF4 midpoints, in order (the AVX2 binary search).
+struct NF4Mid16 {
+  float v[15];
+  constexpr NF4Mid16() : v{} {
+    for (int i = 0; i < 15; ++i) v[i] = 16.0f * kMid.v[i];
+  }
+};
+constexpr NF4Mid16 kNF4Mid16{};
+constexpr const float* kBins16 = kNF4Mid16.v;
 
 // ---- per-block pieces ---------------------------------------------------------------------
 template <bool BF16, typename In>
@@ -508,9 +517,10 @@ void decode_full_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o
 #if PPQ_ISA_AVX2
 // ---- AVX2 full-block paths ---------------------------------------------------------------------
 // The AVX-512 paths above on 8 lanes, with the same names and the same bits (tests compare every code
-// and value with the reference on this path too). What differs: 32-entry tables (NF4 bins) are four
-// vpermps and three blends instead of one vpermt2d; narrowing to bytes is avx2.h's bytes32/bytes16
-// (truncating, like vpmovdb); bf16 stores round in integer lanes and pack with vpackusdw.
+// and value with the reference on this path too). What differs: NF4 encodes by a binary search over
+// its midpoints (the 32-bin table would take four vpermps and three blends per look-up); narrowing to
+// bytes is avx2.h's bytes32/bytes16 (truncating, like vpmovdb); bf16 stores round in integer lanes and
+// pack with vpackusdw.
 namespace avx {
 
 using ppq::avx2::absmax_bits;
@@ -523,36 +533,36 @@ using ppq::avx2::store16;
 
 PPQ_ALWAYS_INLINE inline __m256 clamp(__m256 y, __m256 lo, __m256 hi) { return _mm256_min_ps(hi, _mm256_max_ps(lo, y)); }
 
-// Entry j & 31 of a 32-entry table held in t[0..3] (8 lanes each).
-PPQ_ALWAYS_INLINE inline __m256 lookup32(const __m256* t, __m256i j) {
-  const __m256 b3 = _mm256_castsi256_ps(_mm256_slli_epi32(j, 28)), b4 = _mm256_castsi256_ps(_mm256_slli_epi32(j, 27));
-  const __m256 lo = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t[0], j), _mm256_permutevar8x32_ps(t[1], j), b3);
-  const __m256 hi = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t[2], j), _mm256_permutevar8x32_ps(t[3], j), b3);
-  return _mm256_blendv_ps(lo, hi, b4);
-}
 // Entry k & 15 of a 16-entry table held in t[0..1].
 PPQ_ALWAYS_INLINE inline __m256 lookup16(const __m256* t, __m256i k) {
   return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t[0], k), _mm256_permutevar8x32_ps(t[1], k),
                           _mm256_castsi256_ps(_mm256_slli_epi32(k, 28)));
 }
 
-// 8 NF4 codes (one per 32-bit lane) of y16 = 16 y: the AVX-512 nf4_codes' bins.
+// 8 NF4 codes (one per 32-bit lane) of y16 = 16 y: the number of midpoints m with 16 m < y16, by a
+// four-step binary search over the 15 midpoints (the thresholds of the last two steps by vpermps from
+// 4- and 8-entry tables): 15 operations, 2 permutes. The AVX-512 path's 32 bins need 32-entry look-ups,
+// four vpermps and three blends each on AVX2 (8 permutes per 8 values: the permute port held NF4 at
+// ~0.2x copy). A NaN goes right at every step (code 15, as the reference's bucketize); values beyond
+// +-16 need no clamp (every midpoint lies inside (-1, 1)).
 struct NF4Tables {
-  __m256 base[4], mid16[4];
+  __m256 m7, m3, m11, t3, t4;  // 16 x midpoints 7, 3, 11; {1, 5, 9, 13}; {0, 2, ..., 14}
   NF4Tables() {
-    for (int q = 0; q < 4; ++q) {
-      base[q] = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kBins.base + 8 * q)));
-      mid16[q] = _mm256_loadu_ps(kBins.mid16 + 8 * q);
-    }
+    auto m16 = [](int i) { return kBins16[i]; };
+    m7 = _mm256_set1_ps(m16(7)), m3 = _mm256_set1_ps(m16(3)), m11 = _mm256_set1_ps(m16(11));
+    t3 = _mm256_setr_ps(m16(1), m16(5), m16(9), m16(13), 0.0f, 0.0f, 0.0f, 0.0f);
+    t4 = _mm256_setr_ps(m16(0), m16(2), m16(4), m16(6), m16(8), m16(10), m16(12), m16(14));
   }
 };
 PPQ_ALWAYS_INLINE inline __m256i nf4_codes(const NF4Tables& t, __m256 y16) {
-  y16 = clamp(y16, _mm256_set1_ps(-16.0f), _mm256_set1_ps(16.0f));
-  __m256i j = _mm256_cvtps_epi32(_mm256_floor_ps(y16));
-  j = _mm256_min_epi32(_mm256_add_epi32(j, _mm256_set1_epi32(16)), _mm256_set1_epi32(31));
-  const __m256i base = _mm256_castps_si256(lookup32(t.base, j));
-  const __m256 up = _mm256_cmp_ps(lookup32(t.mid16, j), y16, _CMP_LT_OQ);
-  return _mm256_sub_epi32(base, _mm256_castps_si256(up));  // + 1 where mid < y
+  __m256 gt = _mm256_cmp_ps(y16, t.m7, _CMP_NLE_UQ);  // y16 > m7, or NaN
+  __m256i c = _mm256_and_si256(_mm256_castps_si256(gt), _mm256_set1_epi32(8));
+  gt = _mm256_cmp_ps(y16, _mm256_blendv_ps(t.m3, t.m11, gt), _CMP_NLE_UQ);
+  c = _mm256_or_si256(c, _mm256_and_si256(_mm256_castps_si256(gt), _mm256_set1_epi32(4)));
+  gt = _mm256_cmp_ps(y16, _mm256_permutevar8x32_ps(t.t3, _mm256_srli_epi32(c, 2)), _CMP_NLE_UQ);
+  c = _mm256_or_si256(c, _mm256_and_si256(_mm256_castps_si256(gt), _mm256_set1_epi32(2)));
+  gt = _mm256_cmp_ps(y16, _mm256_permutevar8x32_ps(t.t4, _mm256_srli_epi32(c, 1)), _CMP_NLE_UQ);
+  return _mm256_sub_epi32(c, _mm256_castps_si256(gt));  // + 1 where y16 > m(c)
 }
 
 // Store the codes of a full block (len a multiple of 16): code8(i) gives the codes of values i..i+7.
