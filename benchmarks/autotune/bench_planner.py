@@ -32,6 +32,7 @@ from deepspeed_ppq.autotune.planner import (  # noqa: E402
     plan_pipeline,
     solve_partition,
 )
+from deepspeed_ppq.config import WeightFormat  # noqa: E402
 
 FLOPS = 1.0e11  # fp32 FLOP/s of one core of this CPU with AMX/AVX-512 (roofline, achievable ~50%)
 BW = 10e9  # bytes/s per core
@@ -51,7 +52,7 @@ def gpt_layers(
 ) -> list[LayerProfile]:
     """Roofline costs of a GPT's pipeline layers (per sample): blocks 24 d^2 T FLOPs forward, the head
     2 d V T, the embedding a gather; low-bit formats add a dequantization pass over the weights."""
-    bits = {"none": 32, "int8": 8, "nf4": 4, "fp8_e4m3": 8}
+    bits = {f: WeightFormat(f).bits for f in ("none", *formats)}
     out = []
     act = seq * d * 4
     for i in range(n_blocks + 2):

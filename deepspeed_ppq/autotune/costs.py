@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepspeed_ppq.formats import MASTER_FREE_FORMATS
 from deepspeed_ppq.quant.optim import optimizer_state_bytes
 
 __all__ = [
@@ -31,8 +32,6 @@ __all__ = [
     "MASTER_FREE_FORMATS",
 ]
 
-# formats whose codes can be the only weight copy (``WeightsConfig.master="none"``)
-MASTER_FREE_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
 
 
 def optimizer_bytes(param_numels: list[int], eight_bit: bool) -> int:

@@ -26,14 +26,13 @@ Master-free (``WeightsConfig(format="int8", master="none")``): after ``deepspeed
 ``attach_master_free(engine, engine.module)`` instead of ``requantize_after_step``.
 """
 
-from deepspeed_ppq.quant.formats import QuantizedWeight, quantize_weight
+from deepspeed_ppq.quant.formats import QuantizedWeight, quantize_weight, weight_storage_bytes
 from deepspeed_ppq.quant.ledger import (
     MemoryLedger,
     ParamSpec,
     ledger_from_model,
     ledger_from_shapes,
     measure_storage,
-    weight_storage_bytes,
 )
 from deepspeed_ppq.quant.linear import (
     QuantLinear,

@@ -1,12 +1,13 @@
 """Low-bit weight formats: a blockwise-quantized weight as a small object of plain tensors.
 
-    qw = quantize_weight(w, "nf4", block_size=64)          # or NF4Weight.from_float(w, ...)
+    qw = quantize_weight(w, "nf4", block_size=64)          # or QuantizedWeight.from_float(w, "nf4", ...)
     w_hat = qw.dequantize(torch.bfloat16)                   # or qw.dequantize(out=buffer): in place
     qw.requantize_(w_new)                                   # same shape: reuses qdata/scale storage
     qw.nbytes, qw.storage_tensors()                         # exact bytes, for the memory ledger
+    weight_storage_bytes(shape, "nf4", 64)                  # the same bytes from the shape alone
 
-Formats (math in ``deepspeed_ppq.quant.ops``; all blockwise over the flattened tensor, the last block
-may be partial):
+Formats (one row each in ``deepspeed_ppq.formats``; math in ``deepspeed_ppq.quant.ops``; all blockwise
+over the flattened tensor, the last block may be partial):
 
 ======== ============================== ===================================== ==================
 format   codes (``qdata``)              value                                 scale ``s``
@@ -43,40 +44,37 @@ values (the kernels mark such a block with a NaN scale; the check reads only the
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from collections.abc import Sequence
 
 import torch
 
 from deepspeed_ppq.config import WeightFormat
+from deepspeed_ppq.formats import FORMATS, format_spec
 from deepspeed_ppq.quant import ops as _ops
 
 __all__ = [
     "QuantizedWeight",
-    "Int8Weight",
-    "Int4Weight",
-    "NF4Weight",
-    "FP8E4M3Weight",
-    "FP8E5M2Weight",
     "quantize_weight",
-    "weight_class",
+    "weight_storage_bytes",
     "DOUBLE_QUANT_GROUP",
 ]
 
-DOUBLE_QUANT_GROUP = 256
+DOUBLE_QUANT_GROUP = 256  # double quantization: uint8 scale codes in groups of 256, one fp32 scale each
 _SCALE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, torch.float32: torch.float32,
                  torch.bfloat16: torch.bfloat16}
 _FP8_SCALES = ("block", "tensor")
+_PER_TENSOR = ", ".join(s.name for s in FORMATS if s.per_tensor_scale)
+
+
+def _scale_dtype(scale_dtype) -> torch.dtype:
+    if scale_dtype not in _SCALE_DTYPES:
+        raise ValueError(f"scale_dtype={scale_dtype!r} is not allowed: use 'fp32' or 'bf16'")
+    return _SCALE_DTYPES[scale_dtype]
 
 
 def _to_format(fmt) -> WeightFormat:
-    try:
-        f = WeightFormat(fmt.value if isinstance(fmt, WeightFormat) else fmt)
-    except ValueError:
-        f = None
-    if f is None or f is WeightFormat.none:
-        allowed = ", ".join(v.value for v in WeightFormat if v is not WeightFormat.none)
-        raise ValueError(f"fmt={fmt!r} is not a low-bit weight format: use one of {allowed}")
-    return f
+    """The ``WeightFormat`` of a low-bit format name (``ValueError`` naming the allowed ones otherwise)."""
+    return WeightFormat(format_spec(fmt).name)
 
 
 def _count_bad(w: torch.Tensor) -> int:
@@ -95,10 +93,9 @@ class QuantizedWeight:
         block_size: values per scale.
     """
 
-    fmt: ClassVar[WeightFormat]
-
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
+    def __init__(self, fmt, qdata: torch.Tensor, scale: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
                  block_size: int, *, scale_scale: torch.Tensor | None = None, fp8_scale: str = "block"):
+        self.fmt = _to_format(fmt)
         self.qdata = qdata
         self.scale = scale
         self.scale_scale = scale_scale
@@ -109,40 +106,33 @@ class QuantizedWeight:
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def from_float(cls, w: torch.Tensor, block_size: int = 64, scale_dtype="fp32", double_quant: bool = False,
-                   fp8_scale: str = "block", *, fmt=None) -> QuantizedWeight:
+    def from_float(cls, w: torch.Tensor, fmt, block_size: int = 64, scale_dtype="fp32",
+                   double_quant: bool = False, fp8_scale: str = "block") -> QuantizedWeight:
         """Quantize a float tensor (fp32 or bf16, any shape).
 
         Args:
             w: the weight.
+            fmt: the low-bit format (a ``WeightFormat`` or its name).
             block_size: values per scale, a power of two in [16, 4096].
             scale_dtype: ``"fp32"`` or ``"bf16"`` (ignored with ``double_quant``, see the module doc).
             double_quant: store the scales as uint8 codes with fp32 scales per 256 of them.
             fp8_scale: ``"block"`` or ``"tensor"`` (one scale for the whole tensor; fp8 formats only).
-            fmt: only when calling on ``QuantizedWeight`` itself; subclasses fix their format.
 
         Returns:
-            The quantized weight (an instance of the format's subclass).
+            The quantized weight.
 
         Raises:
             ValueError: a bad argument, or NaN/Inf values in ``w``.
         """
-        if fmt is not None:
-            target = weight_class(fmt)
-            if cls is not QuantizedWeight and target is not cls:
-                raise ValueError(f"fmt={fmt!r} contradicts {cls.__name__} (format {cls.fmt.value})")
-            cls = target
-        elif cls is QuantizedWeight:
-            raise ValueError("QuantizedWeight.from_float needs fmt=...; or call a subclass such as NF4Weight")
-        f = cls.fmt.value
+        f = _to_format(fmt).value
         _ops.check_block_size(block_size)
         _ops.check_float_input(w, "w")
-        if scale_dtype not in _SCALE_DTYPES:
-            raise ValueError(f"scale_dtype={scale_dtype!r} is not allowed: use 'fp32' or 'bf16'")
+        sdt = _scale_dtype(scale_dtype)
         if fp8_scale not in _FP8_SCALES:
             raise ValueError(f"fp8_scale={fp8_scale!r} is not allowed: use 'block' or 'tensor'")
-        if fp8_scale == "tensor" and not f.startswith("fp8"):
-            raise ValueError(f"fp8_scale='tensor' is only for fp8 formats, got fmt={f!r}; use 'block'")
+        if fp8_scale == "tensor" and not format_spec(f).per_tensor_scale:
+            raise ValueError(f"fp8_scale='tensor' is only for fp8 formats ({_PER_TENSOR}), got fmt={f!r}; "
+                             "use 'block'")
         n = w.numel()
         nscales = 1 if fp8_scale == "tensor" else _ops.num_blocks(n, block_size)
         qdata = torch.empty(_ops.codes_numel(f, n), dtype=_ops.code_dtype(f), device=w.device)
@@ -151,9 +141,9 @@ class QuantizedWeight:
             scale = torch.empty(nscales, dtype=torch.uint8, device=w.device)
             scale_scale = torch.empty(ngroups, dtype=torch.float32, device=w.device)
         else:
-            scale = torch.empty(nscales, dtype=_SCALE_DTYPES[scale_dtype], device=w.device)
+            scale = torch.empty(nscales, dtype=sdt, device=w.device)
             scale_scale = None
-        qw = cls(qdata, scale, w.shape, w.dtype, block_size, scale_scale=scale_scale, fp8_scale=fp8_scale)
+        qw = cls(f, qdata, scale, w.shape, w.dtype, block_size, scale_scale=scale_scale, fp8_scale=fp8_scale)
         qw.requantize_(w)
         return qw
 
@@ -232,42 +222,40 @@ class QuantizedWeight:
 
     def __repr__(self) -> str:
         dq = ", double_quant" if self.double_quant else ""
-        return (f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
+        return (f"{type(self).__name__}(fmt={self.fmt.value}, shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"block_size={self.block_size}, scale={self.scale.dtype}{dq}, nbytes={self.nbytes})")
-
-
-class Int8Weight(QuantizedWeight):
-    fmt = WeightFormat.int8
-
-
-class Int4Weight(QuantizedWeight):
-    fmt = WeightFormat.int4
-
-
-class NF4Weight(QuantizedWeight):
-    fmt = WeightFormat.nf4
-
-
-class FP8E4M3Weight(QuantizedWeight):
-    fmt = WeightFormat.fp8_e4m3
-
-
-class FP8E5M2Weight(QuantizedWeight):
-    fmt = WeightFormat.fp8_e5m2
-
-
-_CLASSES = {c.fmt: c for c in (Int8Weight, Int4Weight, NF4Weight, FP8E4M3Weight, FP8E5M2Weight)}
-
-
-def weight_class(fmt) -> type[QuantizedWeight]:
-    """The ``QuantizedWeight`` subclass of a format (``WeightFormat`` or its name)."""
-    return _CLASSES[_to_format(fmt)]
 
 
 def quantize_weight(w: torch.Tensor, fmt, block_size: int = 64, scale_dtype="fp32",
                     double_quant: bool = False, fp8_scale: str = "block") -> QuantizedWeight:
     """Quantize ``w`` to ``fmt`` (a ``WeightFormat`` or its name); see ``QuantizedWeight.from_float``."""
-    return weight_class(fmt).from_float(w, block_size, scale_dtype, double_quant, fp8_scale)
+    return QuantizedWeight.from_float(w, fmt, block_size, scale_dtype, double_quant, fp8_scale)
+
+
+def weight_storage_bytes(
+    shape: Sequence[int],
+    fmt,
+    block_size: int = 64,
+    scale_dtype: str = "fp32",
+    double_quant: bool = False,
+    fp8_scale: str = "block",
+) -> dict[str, int]:
+    """Exact bytes of a low-bit weight's storage, from its shape alone: ``{"codes": ..., "scales": ...}``.
+
+    The same bytes as ``quantize_weight(w, fmt, ...).nbytes`` splits into codes and scales: blocks run
+    over the flattened weight (the last may be partial), codes take the format's bits per value (4-bit
+    formats pack two per byte), a per-tensor scale (``fp8_scale="tensor"``, where the format allows it) is
+    one; with ``double_quant`` the scales are uint8 codes plus one fp32 scale per ``DOUBLE_QUANT_GROUP`` of
+    them (``scale_dtype`` is then unused).
+    """
+    spec = format_spec(fmt)
+    n = math.prod(shape)
+    nb = 1 if spec.per_tensor_scale and fp8_scale == "tensor" else math.ceil(n / block_size)
+    if double_quant:
+        scales = nb + math.ceil(nb / DOUBLE_QUANT_GROUP) * 4
+    else:
+        scales = nb * _scale_dtype(scale_dtype).itemsize
+    return {"codes": spec.code_elements(n), "scales": scales}
 
 
 # -- double quantization of the scales (small tensors: num_blocks values) -----------------------

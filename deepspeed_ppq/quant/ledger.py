@@ -54,13 +54,15 @@ flattens the bf16 parameters into one buffer, so the first parameter that reache
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from deepspeed_ppq.config import WeightFormat, WeightsConfig
+from deepspeed_ppq.formats import MASTER_FREE_FORMATS, format_spec
+from deepspeed_ppq.quant.formats import weight_storage_bytes
 from deepspeed_ppq.quant.optim import (
     optimizer_shared_bytes,
     optimizer_state_bytes,
@@ -70,44 +72,11 @@ from deepspeed_ppq.quant.optim import (
 __all__ = [
     "MemoryLedger",
     "ParamSpec",
-    "weight_storage_bytes",
     "ledger_from_shapes",
     "ledger_from_model",
     "measure_storage",
     "low_bit_tensors",
 ]
-
-_CODE_BYTES_X2 = {"int8": 2, "fp8_e4m3": 2, "fp8_e5m2": 2, "int4": 1, "nf4": 1}  # 2 x bytes/value
-_DQ_BLOCK = 256  # double quantization: uint8 scale codes in blocks of 256, one fp32 scale each
-
-
-def weight_storage_bytes(
-    shape: Sequence[int],
-    fmt: WeightFormat | str,
-    block_size: int = 64,
-    scale_dtype: str = "fp32",
-    double_quant: bool = False,
-    fp8_scale: str = "block",
-) -> dict[str, int]:
-    """Exact bytes of a low-bit weight's storage: ``{"codes": ..., "scales": ...}``.
-
-    Blocks run over the flattened weight (the last may be partial); int4/nf4 pack two codes per
-    byte. FP8 with ``fp8_scale="tensor"`` has one scale. With ``double_quant`` the scales are uint8
-    codes plus one fp32 scale per 256 of them (``scale_dtype`` is then unused), as in ``quant.formats``.
-    """
-    fmt = WeightFormat(fmt)
-    if fmt == WeightFormat.none:
-        raise ValueError("weight_storage_bytes: format 'none' has no low-bit storage")
-    n = math.prod(shape)
-    codes = math.ceil(n * _CODE_BYTES_X2[fmt.value] / 2)
-    per_tensor = fmt.value.startswith("fp8") and fp8_scale == "tensor"
-    nb = 1 if per_tensor else math.ceil(n / block_size)
-    if double_quant:
-        scales = nb + math.ceil(nb / _DQ_BLOCK) * 4
-    else:
-        scales = nb * (4 if scale_dtype == "fp32" else 2)
-    return {"codes": codes, "scales": scales}
-
 
 @dataclass
 class MemoryLedger:
@@ -190,10 +159,11 @@ class ParamSpec:
             raise ValueError(f"ledger entry {self.name!r}: mode={self.mode!r}; use 'train' or 'frozen'")
         if self.master not in (None, "fp32", "none"):
             raise ValueError(f"ledger entry {self.name!r}: master={self.master!r}; use 'fp32' or 'none'")
-        if self.master == "none" and (self.mode != "train" or self.format.value in ("int4", "nf4", "none")):
+        if self.master == "none" and (self.mode != "train" or self.format == WeightFormat.none
+                                      or not format_spec(self.format).master_free):
             raise ValueError(
                 f"ledger entry {self.name!r}: master='none' needs mode='train' and an 8-bit format "
-                f"(int8, fp8_e4m3, fp8_e5m2), got mode={self.mode!r}, format={self.format.value!r}"
+                f"({', '.join(MASTER_FREE_FORMATS)}), got mode={self.mode!r}, format={self.format.value!r}"
             )
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
 

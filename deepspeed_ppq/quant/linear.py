@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepspeed_ppq.config import WeightFormat, WeightsConfig
+from deepspeed_ppq.formats import MASTER_FREE_FORMATS, format_spec
 from deepspeed_ppq.quant.formats import QuantizedWeight, quantize_weight
-from deepspeed_ppq.quant.sr_ops import SR_FORMATS
 
 __all__ = [
     "QuantLinear",
@@ -187,14 +187,13 @@ class QuantLinear(nn.Module):
             cfg.block_size,
             cfg.scale_dtype,
             cfg.double_quant,
-            cfg.fp8_scale if fmt.value.startswith("fp8") else "block",
+            cfg.fp8_scale if format_spec(fmt).per_tensor_scale else "block",
         )
         self.quant_version = 0
         self.master_free = self.mode == "train" and cfg.master == "none"
-        if self.master_free and fmt.value not in SR_FORMATS:
-            raise ValueError(
-                f"master='none' needs an 8-bit format ({', '.join(SR_FORMATS)}), got fmt={fmt.value!r}"
-            )
+        if self.master_free and not format_spec(fmt).master_free:
+            allowed = ", ".join(MASTER_FREE_FORMATS)
+            raise ValueError(f"master='none' needs an 8-bit format ({allowed}), got fmt={fmt.value!r}")
         self.sr_seed = int(sr_seed)
         self.weight_grad: torch.Tensor | None = None  # master-free: accumulated fp32 weight gradient
         self.optim_state: dict[str, torch.Tensor] = {}  # master-free: AdamW moments (fp32 or 8-bit)

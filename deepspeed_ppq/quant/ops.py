@@ -4,7 +4,8 @@ The math every implementation (this reference, ``csrc/cpu/weights.cpp``, ``csrc/
 follows bit for bit. A tensor is flattened and cut into blocks of ``block_size`` values (the last
 block may be partial). Per block, ``absmax = max |x|`` in fp32 and the stored scale is
 
-    s = absmax / Q     (Q = 127 int8, 7 int4, 1 nf4, 448 fp8_e4m3, 57344 fp8_e5m2)
+    s = absmax / Q     (Q = ``qmax`` of the format's row in ``deepspeed_ppq.formats``: 127 int8, 7 int4,
+                        1 nf4, 448 fp8_e4m3, 57344 fp8_e5m2)
 
 rounded to the scale dtype (fp32 or bf16, round-to-nearest-even); the codes are computed against the
 *stored* scale (so a bf16 scale that rounded down clamps instead of overflowing):
@@ -36,6 +37,7 @@ import math
 
 import torch
 
+from deepspeed_ppq.formats import FORMATS, WEIGHT_FORMATS, format_spec
 from deepspeed_ppq.ops import define_op
 
 __all__ = [
@@ -55,37 +57,28 @@ __all__ = [
     "weight_dequantize_out",
 ]
 
-WEIGHT_FORMATS = ("int8", "int4", "nf4", "fp8_e4m3", "fp8_e5m2")
+# The QLoRA NF4 codebook (the format table's), the same fp32 literals as
+# bitsandbytes.functional.get_4bit_type("nf4").
+NF4_CODE = format_spec("nf4").code_map
 
-# The QLoRA NF4 codebook, the same fp32 literals as bitsandbytes.functional.get_4bit_type("nf4").
-NF4_CODE = (
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
-)  # fmt: skip
-
-_QMAX = {"int8": 127.0, "int4": 7.0, "nf4": 1.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
-_FP8_DTYPE = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_FP8_DTYPE = {s.name: getattr(torch, s.code_dtype) for s in FORMATS if s.kind == "fp8"}
 _FLT_MAX = 3.4028234663852886e38
 _FLOATS = (torch.float32, torch.bfloat16)
 
 
 def format_qmax(fmt: str) -> float:
     """The ``Q`` of a format: the stored scale is ``absmax / Q``."""
-    check_format(fmt)
-    return _QMAX[fmt]
+    return format_spec(fmt).qmax
 
 
 def code_dtype(fmt: str) -> torch.dtype:
     """The dtype of a format's code tensor."""
-    check_format(fmt)
-    return {"int8": torch.int8, "int4": torch.uint8, "nf4": torch.uint8}.get(fmt) or _FP8_DTYPE[fmt]
+    return getattr(torch, format_spec(fmt).code_dtype)
 
 
 def codes_numel(fmt: str, n: int) -> int:
     """Number of code elements for ``n`` values (4-bit formats pack two per byte)."""
-    return (n + 1) // 2 if fmt in ("int4", "nf4") else n
+    return format_spec(fmt).code_elements(n)
 
 
 def num_blocks(n: int, block_size: int) -> int:
@@ -93,9 +86,8 @@ def num_blocks(n: int, block_size: int) -> int:
 
 
 def check_format(fmt: str) -> None:
-    if fmt not in _QMAX:
-        allowed = ", ".join(WEIGHT_FORMATS)
-        raise ValueError(f"fmt={fmt!r} is not a low-bit weight format: use one of {allowed}")
+    """Raise ``ValueError`` naming ``fmt`` and the allowed formats unless it is a low-bit weight format."""
+    format_spec(fmt)
 
 
 def check_block_size(block_size: int) -> None:
@@ -142,7 +134,7 @@ def _ref_scales(xb: torch.Tensor, fmt: str, nscales: int, scale_dtype: torch.dty
     absmax = xb.abs().amax(dim=1)
     if nscales == 1 and xb.shape[0] > 1:
         absmax, bad = absmax.amax().reshape(1), bad.any().reshape(1)
-    s = absmax / _QMAX[fmt]
+    s = absmax / format_qmax(fmt)
     s = torch.where(bad, torch.full_like(s, float("nan")), s)
     return s.to(scale_dtype)
 
@@ -171,7 +163,7 @@ def _ref_codes(xb: torch.Tensor, s: torch.Tensor, fmt: str, n: int) -> torch.Ten
         q = torch.bucketize(y.clamp(-1, 1), _nf4_midpoints(xb.device)).to(torch.uint8)
         return _pack_nibbles(q, n, pad=7)
     inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s)).clamp(max=_FLT_MAX)
-    qmax = _QMAX[fmt]
+    qmax = format_qmax(fmt)
     y = xb * inv
     if fmt in _FP8_DTYPE:
         return y.clamp(-qmax, qmax).reshape(-1)[:n].to(_FP8_DTYPE[fmt])

@@ -28,20 +28,23 @@ follows bit for bit, given the same ``seed`` and ``offset``:
   up to the 2^-24 resolution of ``u``: ``E[value(q)] = y`` within 2^-24 of a grid step. The sign is
   then put back (int8: ``-q``; fp8: the sign bit, so ``-0`` is ``0x80``).
 
-Formats: int8, fp8_e4m3, fp8_e5m2 (4-bit grids lose most updates even with stochastic rounding).
+Formats: ``SR_FORMATS``, the rows of ``deepspeed_ppq.formats`` with ``stochastic_rounding`` (int8,
+fp8_e4m3, fp8_e5m2; 4-bit grids lose most updates even with stochastic rounding).
 """
 
 from __future__ import annotations
 
 import torch
 
+from deepspeed_ppq.formats import FORMATS, SR_FORMATS
 from deepspeed_ppq.ops import define_op
 from deepspeed_ppq.quant import ops as _ops
 
 __all__ = ["SR_FORMATS", "sr_uniform", "weight_quantize_sr_out", "weight_quantize_sr"]
 
-SR_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
-_FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 0x7E), "fp8_e5m2": (torch.float8_e5m2, 0x7B)}  # dtype, max code
+# fp8 formats with a stochastic-rounding quantizer: (code dtype, largest finite code <= Q), from the table
+_FP8 = {s.name: (getattr(torch, s.code_dtype), s.max_code) for s in FORMATS
+        if s.kind == "fp8" and s.stochastic_rounding}
 _M32 = 0xFFFFFFFF
 _FLT_MAX = 3.4028234663852886e38
 

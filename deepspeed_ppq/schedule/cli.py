@@ -14,6 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
+from deepspeed_ppq.formats import WEIGHT_FORMATS
+
 __all__ = ["add_parser", "run"]
 
 
@@ -73,7 +75,7 @@ def add_parser(sub) -> None:
     s.add_argument("--boundaries", help="layer boundaries, e.g. 0,6,12,18,24 (default: even)")
     s.add_argument("--recompute", default="", help="stages with full activation recomputation, e.g. 0,1")
     q = p.add_argument_group("precision and compression")
-    q.add_argument("--weights", default="none", help="weight format: none, int8, int4, nf4, fp8_e4m3")
+    q.add_argument("--weights", default="none", help=f"weight format: none, {', '.join(WEIGHT_FORMATS)}")
     q.add_argument("--optimizer", default="adam", choices=["adam", "adam8bit", "sgd"])
     q.add_argument("--act-codec", type=_codec, default="none",
                    help="none | quant:<bits> | fp8 | topk:<ratio>")

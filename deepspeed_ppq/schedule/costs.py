@@ -27,14 +27,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deepspeed_ppq.formats import FORMATS
+
 from .hardware import Hardware
 from .simulator import StageCost, StageMemory
 
 __all__ = ["ModelShape", "layer_flops", "layer_activation_bytes", "stage_costs_roofline", "stage_memory",
            "stage_costs_from_profile", "boundary_shape", "FORMAT_BITS", "OPTIMIZER_BYTES"]
 
-FORMAT_BITS = {"none": None, "fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "fp8_e4m3": 8, "fp8_e5m2": 8,
-               "int4": 4, "nf4": 4}
+# bits per stored weight value: the training dtypes ("none": the model's dtype), then the format table's
+FORMAT_BITS = {"none": None, "fp32": 32, "bf16": 16, "fp16": 16, **{s.name: s.bits for s in FORMATS}}
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "tf32": 4}
 
 
