@@ -31,6 +31,7 @@
 
 #include "avx2.h"
 #include "avx512.h"
+#include "common/formats.h"
 #include "fp8.h"
 #include "isa.h"
 
@@ -50,13 +51,13 @@
 
 namespace {
 
-enum class Fmt { I8, I4, NF4, E4M3, E5M2 };
+// The formats, their Q and packing: the table in common/formats.h (generated from deepspeed_ppq/formats.py).
+using ppq::formats::Fmt;
+using ppq::formats::packed4;
+using ppq::formats::per_tensor_scale;
+using ppq::formats::qmax;
 
-constexpr float kNF4[16] = {
-    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
-    -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
-    0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
-    0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
+constexpr float kNF4[16] = {PPQ_CODE_MAP_NF4};
 
 struct Mid {
   float v[15];
@@ -67,26 +68,11 @@ struct Mid {
 constexpr Mid kMid{};
 
 Fmt parse_fmt(std::string_view f) {
-  if (f == "int8") return Fmt::I8;
-  if (f == "int4") return Fmt::I4;
-  if (f == "nf4") return Fmt::NF4;
-  if (f == "fp8_e4m3") return Fmt::E4M3;
-  if (f == "fp8_e5m2") return Fmt::E5M2;
-  TORCH_CHECK(false, "fmt='", std::string(f), "' is not a weight format: use int8, int4, nf4, fp8_e4m3 or fp8_e5m2");
+  Fmt out = Fmt::I8;
+  TORCH_CHECK(ppq::formats::parse(f, &out), "fmt='", std::string(f), "' is not a weight format: use ",
+              ppq::formats::kAllowed);
+  return out;
 }
-
-float qmax(Fmt f) {
-  switch (f) {
-    case Fmt::I8: return 127.0f;
-    case Fmt::I4: return 7.0f;
-    case Fmt::NF4: return 1.0f;
-    case Fmt::E4M3: return 448.0f;
-    default: return 57344.0f;
-  }
-}
-
-bool packed4(Fmt f) { return f == Fmt::I4 || f == Fmt::NF4; }
-bool is_fp8(Fmt f) { return f == Fmt::E4M3 || f == Fmt::E5M2; }
 
 at::ScalarType code_type(Fmt f) {
   switch (f) {
@@ -737,8 +723,9 @@ void check_scales(const at::Tensor& s, Fmt f, int64_t n, int64_t B, bool fp32_on
               "scales has dtype ", s.scalar_type(), "; allowed: Float", fp32_only ? "" : " or BFloat16");
   TORCH_CHECK(s.is_contiguous() && s.device().is_cpu(), "scales must be a contiguous CPU tensor");
   int64_t nb = nblocks(n, B);
-  TORCH_CHECK(s.numel() == nb || (is_fp8(f) && s.numel() == 1), "scales has ", s.numel(), " elements; ", n,
-              " values in blocks of ", B, " need ", nb, is_fp8(f) ? " (or 1 for a per-tensor fp8 scale)" : "");
+  TORCH_CHECK(s.numel() == nb || (per_tensor_scale(f) && s.numel() == 1), "scales has ", s.numel(), " elements; ",
+              n, " values in blocks of ", B, " need ", nb,
+              per_tensor_scale(f) ? " (or 1 for a per-tensor fp8 scale)" : "");
 }
 
 // ---- ops --------------------------------------------------------------------------------------
@@ -906,7 +893,8 @@ std::tuple<at::Tensor, at::Tensor> weight_quantize(const at::Tensor& x, c10::str
   check_block(B);
   TORCH_CHECK(scale_dtype == at::kFloat || scale_dtype == at::kBFloat16, "scale_dtype=", scale_dtype,
               " is not allowed: use Float or BFloat16");
-  TORCH_CHECK(!per_tensor || is_fp8(f), "per_tensor=True is only for fp8 formats, got fmt=", std::string(fmt));
+  TORCH_CHECK(!per_tensor || per_tensor_scale(f), "per_tensor=True is only for fp8 formats, got fmt=",
+              std::string(fmt));
   const int64_t n = x.numel();
   at::Tensor codes = at::empty({ncodes(f, n)}, x.options().dtype(code_type(f)));
   at::Tensor scales = at::empty({per_tensor ? 1 : nblocks(n, B)}, x.options().dtype(scale_dtype));
