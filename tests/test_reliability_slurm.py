@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 from dist_utils import ROOT
-
-from tests.fake_slurm.fake_slurm import install
+from fake_slurm.fake_slurm import install
 
 SLURM_ARGS = "--num-stages 4 --n-layers 32 --d-model 2048 --n-heads 16 --seq-len 2048 --steps 1000"
 TORCHRUN_ARGS = "--num-stages 8 --n-layers 48 --d-model 2048 --n-heads 16 --seq-len 2048 --steps 1000"

@@ -90,13 +90,20 @@ def _srun(argv: list[str]) -> int:
     return rc
 
 
+def _print(text: str) -> None:
+    """Write ``text`` and a newline in one go, as the real tool does: with unbuffered output ``print`` makes
+    two writes, and the second meets a closed pipe once ``| head -n 1`` has its line."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def _scontrol(argv: list[str]) -> int:
     if argv[:2] == ["show", "hostnames"]:
-        print("\n".join(f"node{i + 1}" for i in range(int(os.environ["FAKE_SLURM_NODES"]))))
+        _print("\n".join(f"node{i + 1}" for i in range(int(os.environ["FAKE_SLURM_NODES"]))))
         return 0
     if argv[:2] == ["show", "job"]:
         command = (Path(os.environ["FAKE_SLURM_DIR"]) / "command").read_text()
-        print(f"JobId={argv[2]} JobName=test\n   WorkDir={os.getcwd()}\n   Command={command}\n   StdErr=x")
+        _print(f"JobId={argv[2]} JobName=test\n   WorkDir={os.getcwd()}\n   Command={command}\n   StdErr=x")
         return 0
     sys.exit(f"fake scontrol: unsupported {argv}")
 
