@@ -325,7 +325,12 @@ class AutotuneConfig(_Model):
         None, ge=1, description="samples per optimizer step; None: the DeepSpeed config's train_batch_size"
     )
     stock_trials: int = Field(
-        3, ge=1, description="stock DeepSpeed configurations measured (the best predicted that fit)")
+        3, ge=1, description="stock DeepSpeed configurations measured at least (best predicted first, the "
+        "models refitted after each)")
+    stock_margin: float = Field(
+        0.15, ge=0.0, description="after stock_trials that fit, keep measuring stock configurations while "
+        "the next is predicted within this fraction of the best measured (at most 4 x stock_trials; 0: "
+        "exactly stock_trials)")
     ab_repeats: int = Field(
         2, ge=0, description="alternating baseline/plan runs after acceptance; the speedup is the ratio of "
         "their medians (0: the first measurements, taken at different times)")

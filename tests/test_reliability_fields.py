@@ -134,7 +134,8 @@ def engine_cases(work: Path) -> dict[str, dict]:
 
 # -- the tune (tests/dist/ds_fields.py "tune") ------------------------------------------------------
 TUNE = {"seeds": 2, "quality_steps": 2, "max_iterations": 1, "trial_steps": 3, "warmup_steps": 1,
-        "val_batches": 1, "val_samples": 8, "profile_reps": 1, "stock_trials": 1, "ab_repeats": 0,
+        "val_batches": 1, "val_samples": 8, "profile_reps": 1, "stock_trials": 1, "stock_margin": 0.0,
+        "ab_repeats": 0,
         "pipeline_degrees": [2], "micro_batch_sizes": [2], "global_batch": 8, "formats": ["nf4"],
         "master_free": False, "profile_cache": "profile.json", "val_loss_tolerance": 0.5,
         "out_dir": "tuned_here"}
@@ -232,6 +233,9 @@ FIELDS: dict[str, Any] = {
     "autotune.val_loss_tolerance": Tune(_gate_limit, "the gate's limit is the seeds' mean x 1.5"),
     "autotune.stock_trials": Tune(lambda r: r["stock_measured"] == 1 and r["stock_fitting"] > 1,
                                   "1 stock configuration measured though more fit (default 3)"),
+    "autotune.stock_margin": Tune(lambda r: "stopped: stock_margin=0: 1 that fit measured, no more"
+                                  in r["stock_search"], "no search past stock_trials (default: while the "
+                                  "next is predicted within 15% of the best measured)"),
     "autotune.memory_tolerance": Tune(lambda r: r["over_with_tolerance"] == [False, True],
                                       "a measured peak 10% over the budget fits with 0.2, not with 0.05"),
     "autotune.max_iterations": Bound(lambda r: r["iterations"] <= 1, "at most 1 plan tried"),

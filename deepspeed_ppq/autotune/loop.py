@@ -4,10 +4,13 @@
    weight format the precision policy allows, codecs, link, optimizer kinds.
 2. **The best stock configuration**: every setting a skilled user of the stock engine could choose
    (pipeline degree, the engine's own partition methods, micro-batch size, recomputation on/off,
-   fp32 or 8-bit Adam) is predicted; the fastest ``stock_trials`` that the model says fit are
-   measured, and the fastest whose *measured* peak fits the budget is the baseline. Its validation
-   loss is measured over ``seeds`` seeds: the quality gate's noise.
-3. **Calibrate** time and memory on those measured trials (``calibrate``).
+   fp32 or 8-bit Adam) is predicted and measured best-first: after each trial the time and memory
+   models are refitted to every trial so far (``calibrate``) and the candidates re-ranked; after
+   ``stock_trials`` that fit, the search goes on while the next candidate that the model says fits is
+   predicted within ``stock_margin`` of the best measured. The fastest whose *measured* peak fits the
+   budget is the baseline. Its validation loss is measured over ``seeds`` seeds: the quality gate's
+   noise.
+3. **Calibrate**: the models as fitted to every measured stock trial.
 4. **Plan** jointly (``planner.plan_pipeline``): low-bit weights under the precision policy, 8-bit
    optimizer states, master-free weights, the memory they free spent on micro-batches and less
    recomputation, stage boundaries re-balanced for the stages' new costs, codecs.
@@ -46,6 +49,10 @@ __all__ = [
     "same_configuration", "is_stock_configuration",
     "measured_bubble", "TuningError",
 ]
+
+
+# stock trials at most, in multiples of ``stock_trials``
+_STOCK_TRIAL_CAP = 4
 
 
 class TuningError(RuntimeError):
@@ -362,12 +369,27 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
             f"({fmt_mib(settings.memory_budget)}) per stage, though a low-bit plan would: the baseline "
             "cannot be measured; raise the budget to the smallest stock need "
             f"({fmt_mib(min(max(sp.peak_memory for sp in c.stages) for c in cands))})")
-    measured, runs, tried = [], [], set()
-    while (len(measured) < 2 * settings.stock_trials
-           and sum(m["fits"] for m in measured) < settings.stock_trials):
+    measured, runs, tried, stop = [], [], set(), "every stock candidate the model says fits was measured"
+
+    def refit() -> tuple[PlanningProblem, dict, dict]:
+        """The problem afresh from the profile, its time and memory models fitted to every trial so far."""
+        fresh = build_problem(settings, runner.world_size, global_batch, profile)
+        return fresh, calibrate.calibrate_time(fresh, runs), calibrate.calibrate_memory(fresh, runs)
+
+    time_cal = mem_cal = {}
+    while len(measured) < _STOCK_TRIAL_CAP * settings.stock_trials:
         cands = stock_candidates(problem, partitions, optimizer_8bit=settings.optimizer_8bit)
         plan = next((c for c in cands if plan_fits(problem, c) and c.notes[0] not in tried), None)
         if plan is None:
+            break
+        done = [m["run"]["measured_step_time"] for m in measured if m["fits"]]
+        t_next = plan.predicted_step_time
+        if len(done) >= settings.stock_trials and not settings.stock_margin:
+            stop = f"stock_margin=0: {settings.stock_trials} that fit measured, no more"
+            break
+        if len(done) >= settings.stock_trials and t_next > min(done) * (1 + settings.stock_margin):
+            stop = (f"the next candidate ({plan.notes[0]}) is predicted {t_next * 1e3:.1f} ms, more than "
+                    f"{settings.stock_margin:.0%} over the best measured ({min(done) * 1e3:.1f} ms)")
             break
         tried.add(plan.notes[0])
         stamp(plan)
@@ -375,25 +397,26 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         over = _over_budget(settings, run)
         measured.append({"plan": plan.to_dict(), "run": run, "fits": not over, "over": over})
         runs.append((plan, run))
-        calibrate.calibrate_memory(problem, [(plan, run)])
         note(f"{plan.notes[0]}: predicted {plan.predicted_step_time * 1e3:.1f} ms, measured "
              f"{run['measured_step_time'] * 1e3:.1f} ms, peak {fmt_mib(run['peak_memory'])} (predicted "
              f"{fmt_mib(max(sp.peak_memory for sp in plan.stages))})"
              + (f" -- over budget: {'; '.join(over)}" if over else ""))
+        problem, time_cal, mem_cal = refit()  # the next pick is ranked by the refitted models
+    else:
+        stop = f"{len(measured)} stock trials, the cap ({_STOCK_TRIAL_CAP} x stock_trials)"
+    note(f"stock search: {len(measured)} configurations measured; stopped: {stop}")
     fits = [m for m in measured if m["fits"]]
     if not fits:
         raise TuningError(
             "no measured stock configuration fits the budget; measured: "
             + "; ".join(f"{m['plan']['notes'][0]}: {'; '.join(m['over'])}" for m in measured))
-    best = min(fits, key=lambda m: m["run"]["measured_step_time"] / m["plan"]["micro_batch_size"]
-               / m["plan"]["num_microbatches"])
+    # the global batch is the same for every candidate: the fastest step is the most samples per second
+    best = min(fits, key=lambda m: m["run"]["measured_step_time"])
     base = Plan.from_dict(best["plan"])
     base_run = best["run"]
     note(f"baseline (best measured stock): {base.notes[0]}, {base_run['measured_step_time'] * 1e3:.1f} ms")
 
-    # 3. calibrate on every measured stock trial
-    time_cal = calibrate.calibrate_time(problem, runs)
-    mem_cal = calibrate.calibrate_memory(problem, runs)
+    # 3. the models as fitted to every measured stock trial
     for plan, run in runs:
         cal = calibrate.predict(problem, plan)
         run["calibrated_step_time"] = cal["step_time"]

@@ -176,6 +176,7 @@ def tune_case(case: dict, work: Path) -> dict:
         "global_batch": result["global_batch"],
         "plan_global_batch": plan.global_batch,
         "stock_measured": len(measured),
+        "stock_search": next((x for x in result["log"] if x.startswith("stock search:")), ""),
         "stock_fitting": sum(c["fits"] for c in result["stock"]["candidates"]),
         "seed_losses": result["gate"]["losses"],
         "gate_limit": result["gate"]["limit"],
