@@ -46,11 +46,12 @@ namespace {
 
 using ppq::sr::Fmt;
 
+// The update re-quantizes with stochastic rounding: the formats that have it (common/formats.h).
 Fmt parse_fmt(std::string_view f) {
-  if (f == "int8") return Fmt::I8;
-  if (f == "fp8_e4m3") return Fmt::E4M3;
-  if (f == "fp8_e5m2") return Fmt::E5M2;
-  TORCH_CHECK(false, "fmt='", std::string(f), "' has no master-free update: use int8, fp8_e4m3 or fp8_e5m2");
+  Fmt out = Fmt::I8;
+  TORCH_CHECK(ppq::formats::parse(f, &out) && ppq::formats::has_sr(out), "fmt='", std::string(f),
+              "' has no master-free update: use ", ppq::formats::kAllowedSR);
+  return out;
 }
 
 at::ScalarType code_type(Fmt f) {

@@ -53,11 +53,10 @@ namespace {
 using ppq::sr::Fmt;
 
 Fmt parse_sr_fmt(std::string_view f) {
-  if (f == "int8") return Fmt::I8;
-  if (f == "fp8_e4m3") return Fmt::E4M3;
-  if (f == "fp8_e5m2") return Fmt::E5M2;
-  TORCH_CHECK(false, "fmt='", std::string(f),
-              "' has no stochastic-rounding quantizer: use int8, fp8_e4m3 or fp8_e5m2");
+  Fmt out = Fmt::I8;
+  TORCH_CHECK(ppq::formats::parse(f, &out) && ppq::formats::has_sr(out), "fmt='", std::string(f),
+              "' has no stochastic-rounding quantizer: use ", ppq::formats::kAllowedSR);
+  return out;
 }
 
 inline int threads() { return std::max(1, at::get_num_threads()); }
@@ -85,9 +84,10 @@ void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B
   TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16,
               "scales has dtype ", scales.scalar_type(), "; allowed: Float or BFloat16");
   const bool per_tensor = scales.numel() == 1 && nb > 1;
-  TORCH_CHECK(scales.is_contiguous() && (scales.numel() == nb || (per_tensor && f != Fmt::I8)),
+  const bool tensor_ok = ppq::formats::per_tensor_scale(f);
+  TORCH_CHECK(scales.is_contiguous() && (scales.numel() == nb || (per_tensor && tensor_ok)),
               "scales has ", scales.numel(), " elements; ", n, " values in blocks of ", B, " need ", nb,
-              f != Fmt::I8 ? " (or 1 for a per-tensor fp8 scale)" : "");
+              tensor_ok ? " (or 1 for a per-tensor fp8 scale)" : "");
   const bool xbf = x.scalar_type() == at::kBFloat16;
   const bool sbf = scales.scalar_type() == at::kBFloat16;
   const char* xp = static_cast<const char*>(x.data_ptr());

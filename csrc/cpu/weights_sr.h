@@ -11,6 +11,7 @@
 
 #include "avx2.h"
 #include "avx512.h"
+#include "common/formats.h"
 #include "fp8.h"
 #include "isa.h"
 
@@ -28,9 +29,9 @@ namespace ppq::sr {
 
 namespace fp8 = ppq::fp8;
 
-enum class Fmt { I8, E4M3, E5M2 };
-
-inline float qmax(Fmt f) { return f == Fmt::I8 ? 127.0f : f == Fmt::E4M3 ? 448.0f : 57344.0f; }
+// The formats (those with formats::has_sr come here), their Q and fp8 top codes: common/formats.h.
+using formats::Fmt;
+using formats::qmax;
 
 inline uint32_t hash32(uint32_t x) {  // "lowbias32"
   x ^= x >> 16;
@@ -64,7 +65,7 @@ template <bool E4M3>
 inline __m128i sr_fp8_16(__m512 y, __m512 a, __m512 u) {
   using ppq::avx512::fp8_rne16;
   using ppq::avx512::fp8_value16;
-  const __m512i top = _mm512_set1_epi32(E4M3 ? 0x7E : 0x7B), one = _mm512_set1_epi32(1);
+  const __m512i top = _mm512_set1_epi32(formats::max_code(E4M3 ? Fmt::E4M3 : Fmt::E5M2)), one = _mm512_set1_epi32(1);
   const __m512i c = fp8_rne16<E4M3>(a);
   const __m512i lo_c = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(fp8_value16<E4M3>(c), a, _CMP_GT_OQ), c, one);
   const __m512i hi_c = _mm512_min_epi32(_mm512_add_epi32(lo_c, one), top);
@@ -82,7 +83,7 @@ template <bool E4M3>
 PPQ_ALWAYS_INLINE inline __m256i sr_fp8_8(__m256 y, __m256 a, __m256 u) {
   using ppq::avx2::fp8_rne8;
   using ppq::avx2::fp8_value8;
-  const __m256i top = _mm256_set1_epi32(E4M3 ? 0x7E : 0x7B), one = _mm256_set1_epi32(1);
+  const __m256i top = _mm256_set1_epi32(formats::max_code(E4M3 ? Fmt::E4M3 : Fmt::E5M2)), one = _mm256_set1_epi32(1);
   const __m256i c = fp8_rne8<E4M3>(a);
   const __m256i lo_c = _mm256_add_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(fp8_value8<E4M3>(c), a, _CMP_GT_OQ)));
   const __m256i hi_c = _mm256_min_epi32(_mm256_add_epi32(lo_c, one), top);
@@ -211,8 +212,8 @@ __attribute__((noinline)) void encode_buffered(const void* x, int64_t len, float
     for (; j < len; ++j) {
       const float y = std::min(std::max(xf[j] * inv, -q), q);
       const float a = std::fabs(y);
-      codes[j] = F == Fmt::E4M3 ? sr_fp8<fp8::f32_to_e4m3, fp8::e4m3_to_f32>(y, a, u[j], 0x7E)
-                                : sr_fp8<fp8::f32_to_e5m2, fp8::e5m2_to_f32>(y, a, u[j], 0x7B);
+      codes[j] = F == Fmt::E4M3 ? sr_fp8<fp8::f32_to_e4m3, fp8::e4m3_to_f32>(y, a, u[j], formats::max_code(F))
+                                : sr_fp8<fp8::f32_to_e5m2, fp8::e5m2_to_f32>(y, a, u[j], formats::max_code(F));
     }
   }
 }
