@@ -13,6 +13,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/formats.h"
+
 namespace ppq_cuda {
 
 // Floating-point element types of the codec kernels (the torch dtype of x / out).
@@ -55,16 +57,18 @@ cudaError_t adam8bit_blockwise_step(float* p, const float* g, uint8_t* state1, u
                                     double weight_decay, double gnorm_scale, cudaStream_t stream);
 
 // ---- weights.cu: blockwise low-bit weight formats ----------------------------------------------------
-// fmt: 0 int8, 1 int4, 2 nf4, 3 fp8_e4m3, 4 fp8_e5m2. per_tensor: one scale for all (fp8);
+// fmt: any format of common/formats.h. per_tensor: one scale for all (formats::per_tensor_scale);
 // given_scales: read fp32 scales instead of computing them. gmax_scratch: one uint32 of device memory.
-cudaError_t weight_quantize(const void* x, bool x_bf16, int64_t n, int fmt, int64_t B, uint8_t* codes,
-                            void* scales, bool scale_bf16, bool per_tensor, bool given_scales,
+cudaError_t weight_quantize(const void* x, bool x_bf16, int64_t n, ppq::formats::Fmt fmt, int64_t B,
+                            uint8_t* codes, void* scales, bool scale_bf16, bool per_tensor, bool given_scales,
                             uint32_t* gmax_scratch, cudaStream_t stream);
-cudaError_t weight_dequantize(const uint8_t* codes, const void* scales, bool scale_bf16, bool per_tensor, int fmt,
-                              int64_t B, int64_t n, void* out, bool out_bf16, cudaStream_t stream);
+cudaError_t weight_dequantize(const uint8_t* codes, const void* scales, bool scale_bf16, bool per_tensor,
+                              ppq::formats::Fmt fmt, int64_t B, int64_t n, void* out, bool out_bf16,
+                              cudaStream_t stream);
 
-// ---- weights_sr.cu: stochastic-rounding quantize (fmt 0 int8, 1 fp8_e4m3, 2 fp8_e5m2) ------------------
-cudaError_t weight_quantize_sr(const void* x, bool x_bf16, int64_t n, int fmt, int64_t B, uint8_t* codes,
+// ---- weights_sr.cu: stochastic-rounding quantize (fmt: a format with formats::has_sr) ---------------------
+cudaError_t weight_quantize_sr(const void* x, bool x_bf16, int64_t n, ppq::formats::Fmt fmt, int64_t B,
+                               uint8_t* codes,
                                void* scales, bool scale_bf16, bool per_tensor, uint32_t seed, uint64_t offset,
                                uint32_t* gmax_scratch, cudaStream_t stream);
 

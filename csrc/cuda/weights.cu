@@ -24,15 +24,12 @@
 
 namespace ppq_cuda {
 
-enum WeightFmt : int { kInt8 = 0, kInt4 = 1, kNF4 = 2, kE4M3 = 3, kE5M2 = 4 };
+// The formats, their Q, packing and the NF4 codebook: common/formats.h (from deepspeed_ppq/formats.py).
+using ppq::formats::Fmt;
 
 namespace {
 
-__constant__ float kNF4Code[16] = {
-    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
-    -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
-    0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
-    0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
+__constant__ float kNF4Code[16] = {PPQ_CODE_MAP_NF4};
 
 using common::kThreads;
 using common::bf16_to_f32;
@@ -44,30 +41,27 @@ using common::e5m2_to_f32;
 using common::f32_to_e4m3;
 using common::f32_to_e5m2;
 
-__device__ __forceinline__ float qmax(int f) {
-  return f == kInt8 ? 127.0f : f == kInt4 ? 7.0f : f == kNF4 ? 1.0f : f == kE4M3 ? 448.0f : 57344.0f;
-}
 __device__ __forceinline__ float clampf(float y, float q) { return y < -q ? -q : (y > q ? q : y); }
 
 // One value -> its code (int8 / fp8 byte, or a nibble for 4-bit formats).
-__device__ __forceinline__ uint8_t encode(float v, int f, float inv, float sc, bool tail) {
+__device__ __forceinline__ uint8_t encode(float v, Fmt f, float inv, float sc, bool tail) {
   switch (f) {
-    case kInt8: return uint8_t(int8_t(__float2int_rn(clampf(__fmul_rn(v, inv), 127.0f))));
-    case kInt4: return uint8_t(__float2int_rn(clampf(__fmul_rn(v, inv), 7.0f)) + 8);
-    case kNF4: {  // bitsandbytes' rule: multiply by 1/max(s,1e-38), divide in a partial last block
+    case Fmt::I8: return uint8_t(int8_t(__float2int_rn(clampf(__fmul_rn(v, inv), 127.0f))));
+    case Fmt::I4: return uint8_t(__float2int_rn(clampf(__fmul_rn(v, inv), 7.0f)) + 8);
+    case Fmt::NF4: {  // bitsandbytes' rule: multiply by 1/max(s,1e-38), divide in a partial last block
       float y = clampf(tail ? __fdiv_rn(v, sc) : __fmul_rn(v, inv), 1.0f);
       int k = 0;
 #pragma unroll
       for (int j = 0; j < 15; ++j) k += __fdiv_rn(__fadd_rn(kNF4Code[j], kNF4Code[j + 1]), 2.0f) < y;
       return uint8_t(k);
     }
-    case kE4M3: return f32_to_e4m3(clampf(__fmul_rn(v, inv), 448.0f));
+    case Fmt::E4M3: return f32_to_e4m3(clampf(__fmul_rn(v, inv), 448.0f));
     default: return f32_to_e5m2(clampf(__fmul_rn(v, inv), 57344.0f));
   }
 }
 
-__device__ __forceinline__ float stored_scale(uint32_t m, int f, bool scale_bf16) {
-  return common::stored_scale(m, qmax(f), scale_bf16);
+__device__ __forceinline__ float stored_scale(uint32_t m, Fmt f, bool scale_bf16) {
+  return common::stored_scale(m, ppq::formats::qmax(f), scale_bf16);
 }
 
 __global__ void global_absmax_kernel(const void* x, bool bf16, int64_t n, uint32_t* out) {
@@ -80,7 +74,7 @@ __global__ void global_absmax_kernel(const void* x, bool bf16, int64_t n, uint32
 
 // mode 0: per-block scales computed here; 1: per-tensor, computed (max in *gmax);
 // 2: given fp32 per-block scales; 3: given fp32 per-tensor scale.
-__global__ void quantize_kernel(const void* x, bool x_bf16, int64_t n, int f, int64_t B, uint8_t* codes,
+__global__ void quantize_kernel(const void* x, bool x_bf16, int64_t n, Fmt f, int64_t B, uint8_t* codes,
                                 void* scales, bool scale_bf16, int mode, const uint32_t* gmax) {
   __shared__ float s_sh;
   const int64_t b = blockIdx.x, start = b * B;
@@ -104,9 +98,9 @@ __global__ void quantize_kernel(const void* x, bool x_bf16, int64_t n, int f, in
   float inv = s > 0.0f ? fminf(__fdiv_rn(1.0f, s), 3.402823466e38f) : 0.0f;
   const float sc = fmaxf(s, 1e-38f);
   const bool tail = len != B;
-  if (f == kNF4) inv = __fdiv_rn(1.0f, sc);
-  if (f == kInt4 || f == kNF4) {
-    const uint8_t pad = f == kNF4 ? 7 : 8;
+  if (f == Fmt::NF4) inv = __fdiv_rn(1.0f, sc);
+  if (ppq::formats::packed4(f)) {
+    const uint8_t pad = f == Fmt::NF4 ? 7 : 8;
     for (int64_t j = threadIdx.x; 2 * j < len; j += kThreads) {
       uint8_t hi = encode(load(x, x_bf16, start + 2 * j), f, inv, sc, tail);
       uint8_t lo = 2 * j + 1 < len ? encode(load(x, x_bf16, start + 2 * j + 1), f, inv, sc, tail) : pad;
@@ -118,8 +112,8 @@ __global__ void quantize_kernel(const void* x, bool x_bf16, int64_t n, int f, in
   }
 }
 
-__device__ __forceinline__ float value(uint8_t c, int f) {
-  return f == kInt8 ? float(int8_t(c)) : f == kE4M3 ? e4m3_to_f32(c) : e5m2_to_f32(c);
+__device__ __forceinline__ float value(uint8_t c, Fmt f) {
+  return f == Fmt::I8 ? float(int8_t(c)) : f == Fmt::E4M3 ? e4m3_to_f32(c) : e5m2_to_f32(c);
 }
 __device__ __forceinline__ void store(void* o, bool bf16, int64_t i, float v) {
   if (bf16) static_cast<uint16_t*>(o)[i] = f32_to_bf16(v);
@@ -127,8 +121,8 @@ __device__ __forceinline__ void store(void* o, bool bf16, int64_t i, float v) {
 }
 
 __global__ void dequantize_kernel(const uint8_t* codes, const void* scales, bool scale_bf16, bool per_tensor,
-                                  int f, int64_t B, int64_t n, void* out, bool out_bf16) {
-  const bool packed = f == kInt4 || f == kNF4;
+                                  Fmt f, int64_t B, int64_t n, void* out, bool out_bf16) {
+  const bool packed = ppq::formats::packed4(f);
   const int64_t nc = packed ? (n + 1) / 2 : n;
   for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < nc; j += int64_t(gridDim.x) * blockDim.x) {
     const int64_t i = packed ? 2 * j : j;
@@ -138,7 +132,7 @@ __global__ void dequantize_kernel(const uint8_t* codes, const void* scales, bool
     const uint8_t c = codes[j];
     if (!packed) {
       store(out, out_bf16, i, __fmul_rn(value(c, f), s));
-    } else if (f == kInt4) {
+    } else if (f == Fmt::I4) {
       store(out, out_bf16, i, __fmul_rn(float(int(c >> 4) - 8), s));
       if (i + 1 < n) store(out, out_bf16, i + 1, __fmul_rn(float(int(c & 15) - 8), s));
     } else {
@@ -158,7 +152,7 @@ int grid_for(int64_t work) {
 // Quantize n values of x (fp32, or bf16 if x_bf16) in blocks of B into codes and scales.
 // per_tensor: one scale for all (fp8); given_scales: read fp32 scales instead of computing them.
 // gmax_scratch: one uint32 of device memory (used for per_tensor only).
-cudaError_t weight_quantize(const void* x, bool x_bf16, int64_t n, int fmt, int64_t B, uint8_t* codes,
+cudaError_t weight_quantize(const void* x, bool x_bf16, int64_t n, Fmt fmt, int64_t B, uint8_t* codes,
                             void* scales, bool scale_bf16, bool per_tensor, bool given_scales,
                             uint32_t* gmax_scratch, cudaStream_t stream) {
   const int64_t nb = n > 0 ? (n + B - 1) / B : 1;
@@ -174,7 +168,7 @@ cudaError_t weight_quantize(const void* x, bool x_bf16, int64_t n, int fmt, int6
   return cudaGetLastError();
 }
 
-cudaError_t weight_dequantize(const uint8_t* codes, const void* scales, bool scale_bf16, bool per_tensor, int fmt,
+cudaError_t weight_dequantize(const uint8_t* codes, const void* scales, bool scale_bf16, bool per_tensor, Fmt fmt,
                               int64_t B, int64_t n, void* out, bool out_bf16, cudaStream_t stream) {
   dequantize_kernel<<<grid_for(n), 256, 0, stream>>>(codes, scales, scale_bf16, per_tensor, fmt, B, n, out,
                                                      out_bf16);

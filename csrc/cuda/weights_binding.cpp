@@ -13,22 +13,28 @@
 
 namespace {
 
-// Same numbering as ppq_cuda::WeightFmt in weights.cu.
-int parse_fmt(std::string_view f) {
-  if (f == "int8") return 0;
-  if (f == "int4") return 1;
-  if (f == "nf4") return 2;
-  if (f == "fp8_e4m3") return 3;
-  if (f == "fp8_e5m2") return 4;
-  TORCH_CHECK(false, "fmt='", std::string(f), "' is not a weight format: use int8, int4, nf4, fp8_e4m3 or fp8_e5m2");
+// The formats, their packing and per-tensor scales: common/formats.h (from deepspeed_ppq/formats.py).
+using ppq::formats::Fmt;
+using ppq::formats::packed4;
+using ppq::formats::per_tensor_scale;
+
+Fmt parse_fmt(std::string_view f) {
+  Fmt out = Fmt::I8;
+  TORCH_CHECK(ppq::formats::parse(f, &out), "fmt='", std::string(f), "' is not a weight format: use ",
+              ppq::formats::kAllowed);
+  return out;
 }
-bool packed4(int f) { return f == 1 || f == 2; }
-bool is_fp8(int f) { return f >= 3; }
-at::ScalarType code_type(int f) {
-  return f == 0 ? at::kChar : f <= 2 ? at::kByte : f == 3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+at::ScalarType code_type(Fmt f) {
+  switch (f) {
+    case Fmt::I8: return at::kChar;
+    case Fmt::I4:
+    case Fmt::NF4: return at::kByte;
+    case Fmt::E4M3: return at::kFloat8_e4m3fn;
+    default: return at::kFloat8_e5m2;
+  }
 }
 int64_t nblocks(int64_t n, int64_t B) { return std::max<int64_t>(1, (n + B - 1) / B); }
-int64_t ncodes(int f, int64_t n) { return packed4(f) ? (n + 1) / 2 : n; }
+int64_t ncodes(Fmt f, int64_t n) { return packed4(f) ? (n + 1) / 2 : n; }
 
 void check_block(int64_t B) {
   TORCH_CHECK(B >= 16 && B <= 4096 && (B & (B - 1)) == 0, "block_size=", B,
@@ -41,23 +47,24 @@ void check_float(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got ", t.device());
   TORCH_CHECK(t.numel() > 0, name, " is empty");
 }
-void check_codes(const at::Tensor& c, int f, int64_t n) {
+void check_codes(const at::Tensor& c, Fmt f, int64_t n) {
   TORCH_CHECK(c.scalar_type() == code_type(f), "codes has dtype ", c.scalar_type(), "; this format needs ",
               code_type(f));
   TORCH_CHECK(c.is_contiguous() && c.is_cuda(), "codes must be a contiguous CUDA tensor");
   TORCH_CHECK(c.numel() == ncodes(f, n), "codes has ", c.numel(), " elements; ", n, " values need ",
               ncodes(f, n));
 }
-void check_scales(const at::Tensor& s, int f, int64_t n, int64_t B, bool fp32_only) {
+void check_scales(const at::Tensor& s, Fmt f, int64_t n, int64_t B, bool fp32_only) {
   TORCH_CHECK(s.scalar_type() == at::kFloat || (!fp32_only && s.scalar_type() == at::kBFloat16),
               "scales has dtype ", s.scalar_type(), "; allowed: Float", fp32_only ? "" : " or BFloat16");
   TORCH_CHECK(s.is_contiguous() && s.is_cuda(), "scales must be a contiguous CUDA tensor");
   const int64_t nb = nblocks(n, B);
-  TORCH_CHECK(s.numel() == nb || (is_fp8(f) && s.numel() == 1), "scales has ", s.numel(), " elements; ", n,
-              " values in blocks of ", B, " need ", nb, is_fp8(f) ? " (or 1 for a per-tensor fp8 scale)" : "");
+  TORCH_CHECK(s.numel() == nb || (per_tensor_scale(f) && s.numel() == 1), "scales has ", s.numel(), " elements; ",
+              n, " values in blocks of ", B, " need ", nb,
+              per_tensor_scale(f) ? " (or 1 for a per-tensor fp8 scale)" : "");
 }
 
-void run_quantize(const at::Tensor& x, int f, int64_t B, at::Tensor& codes, at::Tensor& scales, bool given) {
+void run_quantize(const at::Tensor& x, Fmt f, int64_t B, at::Tensor& codes, at::Tensor& scales, bool given) {
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor scratch = at::empty({1}, x.options().dtype(at::kInt));
   auto err = ppq_cuda::weight_quantize(
@@ -69,7 +76,7 @@ void run_quantize(const at::Tensor& x, int f, int64_t B, at::Tensor& codes, at::
 
 void weight_quantize_out(const at::Tensor& x, c10::string_view fmt, int64_t B, at::Tensor& codes,
                          at::Tensor& scales) {
-  const int f = parse_fmt(fmt);
+  const Fmt f = parse_fmt(fmt);
   check_block(B);
   check_float(x, "x");
   check_codes(codes, f, x.numel());
@@ -79,7 +86,7 @@ void weight_quantize_out(const at::Tensor& x, c10::string_view fmt, int64_t B, a
 
 void weight_quantize_codes_out(const at::Tensor& x, const at::Tensor& scales, c10::string_view fmt, int64_t B,
                                at::Tensor& codes) {
-  const int f = parse_fmt(fmt);
+  const Fmt f = parse_fmt(fmt);
   check_block(B);
   check_float(x, "x");
   check_codes(codes, f, x.numel());
@@ -90,7 +97,7 @@ void weight_quantize_codes_out(const at::Tensor& x, const at::Tensor& scales, c1
 
 void weight_dequantize_out(const at::Tensor& codes, const at::Tensor& scales, c10::string_view fmt, int64_t B,
                            at::Tensor& out) {
-  const int f = parse_fmt(fmt);
+  const Fmt f = parse_fmt(fmt);
   check_block(B);
   check_float(out, "out");
   const int64_t n = out.numel();
@@ -106,11 +113,12 @@ void weight_dequantize_out(const at::Tensor& codes, const at::Tensor& scales, c1
 
 std::tuple<at::Tensor, at::Tensor> weight_quantize(const at::Tensor& x, c10::string_view fmt, int64_t B,
                                                    at::ScalarType scale_dtype, bool per_tensor) {
-  const int f = parse_fmt(fmt);
+  const Fmt f = parse_fmt(fmt);
   check_block(B);
   TORCH_CHECK(scale_dtype == at::kFloat || scale_dtype == at::kBFloat16, "scale_dtype=", scale_dtype,
               " is not allowed: use Float or BFloat16");
-  TORCH_CHECK(!per_tensor || is_fp8(f), "per_tensor=True is only for fp8 formats, got fmt=", std::string(fmt));
+  TORCH_CHECK(!per_tensor || per_tensor_scale(f), "per_tensor=True is only for fp8 formats, got fmt=",
+              std::string(fmt));
   const int64_t n = x.numel();
   at::Tensor codes = at::empty({ncodes(f, n)}, x.options().dtype(code_type(f)));
   at::Tensor scales = at::empty({per_tensor ? 1 : nblocks(n, B)}, x.options().dtype(scale_dtype));

@@ -27,9 +27,8 @@ using common::bf16_to_f32;
 using common::f32_to_bf16;
 using common::load;
 using common::block_max;
-enum SrFmt : int { kInt8 = 0, kE4M3 = 1, kE5M2 = 2 };
-
-__device__ __forceinline__ float sr_qmax(int f) { return f == kInt8 ? 127.0f : f == kE4M3 ? 448.0f : 57344.0f; }
+// The formats (those with formats::has_sr come here), their Q and fp8 top codes: common/formats.h.
+using ppq::formats::Fmt;
 // Round-to-nearest-even magnitude codes (input finite, >= 0, <= the format's max), as c10's conversion.
 __device__ __forceinline__ int e4m3_code(uint32_t u) {
   if (u < (121u << 23)) {
@@ -65,18 +64,18 @@ __device__ __forceinline__ float uniform24(uint64_t c, uint32_t key) {
   return __fmul_rn(float(r >> 8), 0x1p-24f);
 }
 
-__device__ __forceinline__ uint8_t sr_encode(float v, int f, float inv, bool finite, float u) {
-  const float q = sr_qmax(f);
+__device__ __forceinline__ uint8_t sr_encode(float v, Fmt f, float inv, bool finite, float u) {
+  const float q = ppq::formats::qmax(f);
   float y = finite ? __fmul_rn(v, inv) : 0.0f;
   y = y < -q ? -q : (y > q ? q : y);
   const float a = fabsf(y);
-  if (f == kInt8) {
+  if (f == Fmt::I8) {
     const float lo = floorf(a);
     const int k = int(lo) + (__fmul_rn(u, 1.0f) < __fsub_rn(a, lo) ? 1 : 0);
     return uint8_t(int8_t(y < 0.0f ? -k : k));
   }
-  const bool e4 = f == kE4M3;
-  const int top = e4 ? 0x7e : 0x7b;
+  const bool e4 = f == Fmt::E4M3;
+  const int top = ppq::formats::max_code(f);
   const uint32_t ua = __float_as_uint(a);
   const int c = e4 ? e4m3_code(ua) : e5m2_code(ua);
   const float vc = e4 ? e4m3_mag(c) : e5m2_mag(c);
@@ -88,8 +87,8 @@ __device__ __forceinline__ uint8_t sr_encode(float v, int f, float inv, bool fin
   return uint8_t(y < 0.0f ? (k | 0x80) : k);
 }
 
-__device__ __forceinline__ float stored_scale(uint32_t m, int f, bool scale_bf16) {
-  return common::stored_scale(m, sr_qmax(f), scale_bf16);
+__device__ __forceinline__ float stored_scale(uint32_t m, Fmt f, bool scale_bf16) {
+  return common::stored_scale(m, ppq::formats::qmax(f), scale_bf16);
 }
 
 __global__ void sr_global_absmax_kernel(const void* x, bool bf16, int64_t n, uint32_t* out) {
@@ -100,7 +99,7 @@ __global__ void sr_global_absmax_kernel(const void* x, bool bf16, int64_t n, uin
   if (threadIdx.x == 0) atomicMax(out, m);
 }
 
-__global__ void sr_quantize_kernel(const void* x, bool x_bf16, int64_t n, int f, int64_t B, uint8_t* codes,
+__global__ void sr_quantize_kernel(const void* x, bool x_bf16, int64_t n, Fmt f, int64_t B, uint8_t* codes,
                                    void* scales, bool scale_bf16, bool per_tensor, const uint32_t* gmax,
                                    uint32_t key, uint64_t offset) {
   __shared__ float s_sh;
@@ -141,8 +140,8 @@ uint32_t host_hash32(uint32_t x) {
 }  // namespace
 
 // x: n fp32/bf16 values; codes: n bytes; scales: ceil(n/B) (or 1 when per_tensor) fp32/bf16;
-// gmax_scratch: one uint32 of device memory (per-tensor only). fmt: 0 int8, 1 fp8_e4m3, 2 fp8_e5m2.
-cudaError_t weight_quantize_sr(const void* x, bool x_bf16, int64_t n, int fmt, int64_t B, uint8_t* codes,
+// gmax_scratch: one uint32 of device memory (per-tensor only). fmt: a format with formats::has_sr.
+cudaError_t weight_quantize_sr(const void* x, bool x_bf16, int64_t n, Fmt fmt, int64_t B, uint8_t* codes,
                                void* scales, bool scale_bf16, bool per_tensor, uint32_t seed, uint64_t offset,
                                uint32_t* gmax_scratch, cudaStream_t stream) {
   const int64_t nb = (n + B - 1) / B;

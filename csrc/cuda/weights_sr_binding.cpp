@@ -11,18 +11,22 @@
 
 namespace {
 
-int parse_sr_fmt(std::string_view f) {
-  if (f == "int8") return 0;
-  if (f == "fp8_e4m3") return 1;
-  if (f == "fp8_e5m2") return 2;
-  TORCH_CHECK(false, "fmt='", std::string(f),
-              "' has no stochastic-rounding quantizer: use int8, fp8_e4m3 or fp8_e5m2");
+// The formats with a stochastic-rounding quantizer: common/formats.h (from deepspeed_ppq/formats.py).
+using ppq::formats::Fmt;
+
+Fmt parse_sr_fmt(std::string_view f) {
+  Fmt out = Fmt::I8;
+  TORCH_CHECK(ppq::formats::parse(f, &out) && ppq::formats::has_sr(out), "fmt='", std::string(f),
+              "' has no stochastic-rounding quantizer: use ", ppq::formats::kAllowedSR);
+  return out;
 }
-at::ScalarType sr_code_type(int f) { return f == 0 ? at::kChar : f == 1 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2; }
+at::ScalarType sr_code_type(Fmt f) {
+  return f == Fmt::I8 ? at::kChar : f == Fmt::E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+}
 
 void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B, int64_t seed, int64_t offset,
                             at::Tensor& codes, at::Tensor& scales) {
-  const int f = parse_sr_fmt(fmt);
+  const Fmt f = parse_sr_fmt(fmt);
   TORCH_CHECK(B >= 16 && B <= 4096 && (B & (B - 1)) == 0, "block_size=", B,
               " is not allowed: use a power of two in [16, 4096]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x has dtype ",
@@ -40,7 +44,8 @@ void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B
   TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16, "scales has dtype ",
               scales.scalar_type(), "; allowed: Float or BFloat16");
   const bool per_tensor = scales.numel() == 1 && nb > 1;
-  TORCH_CHECK(scales.is_contiguous() && scales.is_cuda() && (scales.numel() == nb || (per_tensor && f != 0)),
+  TORCH_CHECK(scales.is_contiguous() && scales.is_cuda() &&
+                  (scales.numel() == nb || (per_tensor && ppq::formats::per_tensor_scale(f))),
               "scales has ", scales.numel(), " elements; ", n, " values in blocks of ", B, " need ", nb);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor scratch = at::empty({1}, x.options().dtype(at::kInt));
