@@ -18,7 +18,7 @@ __all__ = ["main"]
 _SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "report": ("deepspeed_ppq.report", "add_parser"),
     "simulate": ("deepspeed_ppq.schedule.cli", "add_parser"),
-    "tune": ("deepspeed_ppq.integrations.autotune", "add_parser"),
+    "tune": ("deepspeed_ppq.integrations.tune_cli", "add_parser"),
     "schema": ("deepspeed_ppq.report", "add_schema_parser"),
 }
 

@@ -131,7 +131,7 @@ def test_plan_for_another_model_is_refused():
     from torch import nn
 
     from deepspeed_ppq.autotune.plan import Plan
-    from deepspeed_ppq.integrations.autotune import model_fingerprint
+    from deepspeed_ppq.integrations.model_layers import model_fingerprint
 
     mine = [LayerSpec(nn.Linear, 8, 8) for _ in range(4)]
     other = [LayerSpec(nn.Linear, 8, 8) for _ in range(3)] + [LayerSpec(nn.Linear, 8, 16)]

@@ -72,19 +72,19 @@ def test_settings_reach_the_planning_problem():
 
 
 def test_ppq_tune_flags_are_generated_from_the_config():
-    from deepspeed_ppq.integrations.autotune import _overrides, _settings_flags
+    from deepspeed_ppq.integrations.tune_cli import flag_overrides, settings_flags
 
     p = argparse.ArgumentParser()
-    names = _settings_flags(p)
+    names = settings_flags(p)
     flagged = set(names)
     codec_fields = {"activation_codecs", "gradient_codecs"}  # nested objects: set them in the JSON
     assert flagged == set(AutotuneConfig.model_fields) - codec_fields
     ns = p.parse_args(["--micro-batch-sizes", "1,4", "--optimizer-8bit", "false", "--seeds", "5",
                        "--memory-budget", "40MiB", "--formats", "int8,nf4"])
     ns.budget_mb = None
-    got = _overrides(ns, names)
+    got = flag_overrides(ns, names)
     cfg = load_ppq_config({"autotune": got}).autotune
     assert cfg.micro_batch_sizes == [1, 4] and cfg.optimizer_8bit is False and cfg.seeds == 5
     assert cfg.memory_budget == 40 * 2**20 and [f.value for f in cfg.formats] == ["int8", "nf4"]
     ns.budget_mb = 12.5
-    assert _overrides(ns, names)["memory_budget"] == int(12.5 * 2**20)
+    assert flag_overrides(ns, names)["memory_budget"] == int(12.5 * 2**20)

@@ -26,7 +26,7 @@ FORMATS = {"none": 1.0, "int8": 0.25, "nf4": 0.14}
 
 def baseline_plan(prob, method: str = "parameters", optimizer_8bit: bool = False):
     """The fastest stock configuration with DeepSpeed's ``method`` partition at the largest degree."""
-    from deepspeed_ppq.integrations.autotune import deepspeed_partitions
+    from deepspeed_ppq.integrations.model_layers import deepspeed_partitions
 
     p = max(prob.degrees())
     cuts = deepspeed_partitions([layer.params for layer in prob.layers], p)[method]
@@ -431,7 +431,7 @@ def test_ladder_spends_freed_memory_on_fewer_stages():
     is that degree, cut as stock DeepSpeed cuts it, with the tuned micro-batches; the rungs climb one
     feature at a time from the stock configuration to the tuned plan."""
     from deepspeed_ppq.autotune.loop import ladder_plans
-    from deepspeed_ppq.integrations.autotune import deepspeed_partitions
+    from deepspeed_ppq.integrations.model_layers import deepspeed_partitions
 
     prob = _problem(3, 6, world_size=2, global_batch=8, pipeline_degrees=[1, 2])
     counts = [layer.params for layer in prob.layers]

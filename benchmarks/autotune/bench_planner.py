@@ -39,7 +39,7 @@ BW = 10e9  # bytes/s per core
 
 def baseline_plan(prob, method: str = "parameters", optimizer_8bit: bool = False):
     """The fastest stock configuration with DeepSpeed's ``method`` partition at the largest degree."""
-    from deepspeed_ppq.integrations.autotune import deepspeed_partitions
+    from deepspeed_ppq.integrations.model_layers import deepspeed_partitions
 
     p = max(prob.degrees())
     cuts = deepspeed_partitions([layer.params for layer in prob.layers], p)[method]

@@ -9,10 +9,9 @@
   and validation loss.
 * ``autotune(model, loss_fn, train_data, val_data, config)``: the whole loop on every rank of the
   running job (``deepspeed_ppq.autotune(...)`` calls it); returns the accepted ``Plan``.
-* ``model_fingerprint(layers)``: what a plan records of the model it was made for.
-* ``ppq tune script.py [script args] [--budget-mb N ...]``: runs the user's unmodified training script
-  on local ranks (or under a launcher); its call to ``deepspeed_ppq.initialize`` hands the model, data
-  and config to the runner instead of training (``integrations.capture``).
+
+The model as a list of layers is ``integrations.model_layers``; ``ppq tune script.py`` is
+``integrations.tune_cli``.
 
 Each trial starts from the same initial weights: ``LayerSpec`` layers are built with DeepSpeed's
 per-layer seeds (``seed_layers``, ``base_seed`` + the seed of the trial), modules given as objects are
@@ -21,21 +20,15 @@ copied from a pristine copy.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import gc
-import hashlib
 import json
-import os
-import runpy
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from deepspeed_ppq.autotune import profiler
@@ -45,11 +38,17 @@ from deepspeed_ppq.autotune.plan import Plan
 from deepspeed_ppq.autotune.report import write_outputs
 from deepspeed_ppq.autotune.runner import Profile, StageMeasurement, TrialResult
 from deepspeed_ppq.config import PPQConfigError, WeightsConfig, load_ppq_config
-from deepspeed_ppq.integrations.capture import Captured, capturing
+from deepspeed_ppq.integrations.model_layers import (
+    build_layers,
+    deepspeed_partitions,
+    layer_kinds,
+    layer_name,
+    layer_specs,
+    model_fingerprint,
+)
 from deepspeed_ppq.integrations.stage import infer_block_layers
 
-__all__ = ["DeepSpeedRunner", "autotune", "model_fingerprint", "layer_specs", "add_parser", "spawn_local",
-           "layer_kinds", "checkpointable_names", "deepspeed_partitions"]
+__all__ = ["DeepSpeedRunner", "autotune"]
 
 # the engine instructions of the step phase (memory is measured per phase)
 _STEP_INSTRUCTIONS = ("ReduceGrads", "ReduceTiedGrads", "OptimizerStep")
@@ -59,89 +58,8 @@ _DS_STEP_TRANSIENT = 4.0
 
 
 # ----------------------------------------------------------------------------------------------
-# The model as a list of layers
+# The runner
 # ----------------------------------------------------------------------------------------------
-def layer_specs(model) -> list:
-    """The layer list of a ``PipelineModule`` (its ``_layer_specs``) or the list itself."""
-    if isinstance(model, PipelineModule):
-        return list(model._layer_specs)
-    if isinstance(model, (list, tuple)):
-        return list(model)
-    raise TypeError(f"model must be a deepspeed PipelineModule or a list of layers/LayerSpecs, got "
-                    f"{type(model).__name__}")
-
-
-class _Call(nn.Module):
-    """A tied layer's module called through its ``forward_fn``, or a plain function, as a layer."""
-
-    def __init__(self, module: nn.Module | None, fn):
-        super().__init__()
-        self.inner = module
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(self.inner, x) if self.inner is not None else self.fn(x)
-
-
-def _build_all(specs: list, device: str | None = None) -> list[nn.Module]:
-    """Every layer built in one process (tied specs share their module), for profiling."""
-    tied: dict[str, nn.Module] = {}
-    out = []
-    ctx = torch.device(device) if device else torch.device("cpu")
-    with ctx:
-        for spec in specs:
-            if isinstance(spec, TiedLayerSpec):
-                mod = tied.get(spec.key) or tied.setdefault(spec.key, spec.build())
-                out.append(_Call(mod, spec.forward_fn) if spec.forward_fn is not None else mod)
-            elif isinstance(spec, LayerSpec):
-                out.append(spec.build())
-            elif isinstance(spec, nn.Module):
-                out.append(spec if device == "meta" else copy.deepcopy(spec))
-            elif callable(spec):
-                out.append(_Call(None, spec))
-            else:
-                raise TypeError(f"layer {len(out)} is a {type(spec).__name__}: use an nn.Module, a LayerSpec "
-                                "or a callable")
-    return out
-
-
-def _name(spec) -> str:
-    if isinstance(spec, LayerSpec):
-        return spec.typename.__name__ + (f"[tied:{spec.key}]" if isinstance(spec, TiedLayerSpec) else "")
-    return type(spec).__name__ if isinstance(spec, nn.Module) else getattr(spec, "__name__", "fn")
-
-
-def model_fingerprint(model) -> dict:
-    """Layer count, each layer's class and parameter shapes, and a digest of them (built on the meta
-    device: nothing is allocated)."""
-    specs = layer_specs(model)
-    layers = []
-    for spec, mod in zip(specs, _build_all(specs, device="meta")):
-        layers.append([_name(spec), [list(p.shape) for p in mod.parameters()]])
-    digest = hashlib.sha256(json.dumps(layers).encode()).hexdigest()[:16]
-    return {"num_layers": len(specs), "layers": [f"{n} {s}" for n, s in layers], "digest": digest}
-
-
-def layer_kinds(specs: list, block_layers: list[int] | None) -> list[str]:
-    """``embed`` / ``block`` / ``head`` / ``other`` per layer, for the precision policy and recompute.
-
-    Layers before the first block are ``embed`` (their input may be token ids: never checkpointed), as
-    is any later layer of an ``embed`` layer's class (a tied embedding used as the head: DeepSpeed's
-    ``checkpointable_layers`` goes by class name)."""
-    blocks = set(block_layers or [])
-    first, last = (min(blocks), max(blocks)) if blocks else (0, len(specs) - 1)
-    kinds = ["block" if i in blocks else "embed" if i < first else "head" if i > last else "other"
-             for i in range(len(specs))]
-    embed_names = {_name(s).split("[")[0] for s, k in zip(specs, kinds) if k == "embed"}
-    return ["embed" if _name(s).split("[")[0] in embed_names else k for s, k in zip(specs, kinds)]
-
-
-def checkpointable_names(specs: list, block_layers: list[int] | None) -> list[str]:
-    """Class names DeepSpeed may checkpoint when a stage recomputes: every layer but the ``embed`` ones."""
-    kinds = layer_kinds(specs, block_layers)
-    return sorted({_name(s).split("[")[0] for s, k in zip(specs, kinds) if k != "embed"})
-
-
 def _stack(items: list):
     """Collate dataset items (tuples of tensors) into one batch."""
     first = items[0]
@@ -157,26 +75,6 @@ def _batches(dataset, order: list[int], b: int, start: int, count: int) -> list:
     return [_stack([dataset[order[(start + k * b + j) % n]] for j in range(b)]) for k in range(count)]
 
 
-def deepspeed_partitions(param_counts: list[int], pipeline_degree: int, block_layers: list[int] | None = None,
-                         block_class: str | None = None) -> dict[str, list[int]]:
-    """How DeepSpeed's ``PipelineModule`` cuts layers into ``pipeline_degree`` stages by each of its
-    partition methods: ``uniform``, ``parameters`` (balanced parameter counts) and, with the blocks
-    given, ``type:<block_class>`` (balanced block counts); cuts that leave a stage empty are dropped."""
-    from deepspeed.runtime import utils as ds_utils
-
-    L, p = len(param_counts), pipeline_degree
-    out = {"uniform": ds_utils.partition_uniform(L, p),
-           "parameters": ds_utils.partition_balanced(list(param_counts), p)}
-    if block_layers:
-        blocks = set(block_layers)
-        out[f"type:{block_class}"] = ds_utils.partition_balanced([int(i in blocks) for i in range(L)], p)
-    out = {k: [int(x) for x in v] for k, v in out.items()}
-    return {k: v for k, v in out.items() if all(a < b for a, b in zip(v, v[1:]))}
-
-
-# ----------------------------------------------------------------------------------------------
-# The runner
-# ----------------------------------------------------------------------------------------------
 class DeepSpeedRunner:
     """``TuningRunner`` for DeepSpeed's pipeline engine (see the module docstring).
 
@@ -224,8 +122,8 @@ class DeepSpeedRunner:
         """DeepSpeed's own ``uniform``, ``parameters`` (trainable parameters, as DeepSpeed counts them)
         and ``type:<block class>`` cuts."""
         counts = [sum(q.numel() for q in m.parameters() if q.requires_grad)
-                  for m in _build_all(self.specs, device="meta")]
-        block = _name(self.specs[self.block_layers[0]]).split("[")[0] if self.block_layers else None
+                  for m in build_layers(self.specs, device="meta")]
+        block = layer_name(self.specs[self.block_layers[0]]).split("[")[0] if self.block_layers else None
         return deepspeed_partitions(counts, pipeline_degree, self.block_layers, block)
 
     def profile(self, settings) -> Profile:
@@ -240,7 +138,7 @@ class DeepSpeedRunner:
                   for c in [*settings.activation_codecs, *settings.gradient_codecs]}
         payload = None
         if self.rank == 0:
-            layers = _build_all(self.specs)
+            layers = build_layers(self.specs)
             key = profiler.profile_key(layers, mbs=timed, formats=fmts, reps=settings.profile_reps,
                                        weights=self.weights.model_dump(mode="json"), codecs=sorted(codecs))
             cached = profiler.load_cached(settings.profile_cache, key) if settings.profile_cache else None
@@ -472,157 +370,3 @@ def autotune(model, loss_fn=None, train_data=None, val_data=None, config=None, *
         write_outputs(result, Path(settings.out_dir))
     dist.barrier()
     return Plan.from_dict(result["plan"])
-
-
-# ----------------------------------------------------------------------------------------------
-# `ppq tune script.py ...`: the user's script hands its model to the runner
-# ----------------------------------------------------------------------------------------------
-def _run_script(script: str, script_args: list[str]) -> dict:
-    path = Path(script).resolve()
-    if not path.is_file():
-        raise SystemExit(f"ppq tune: script {script} does not exist")
-    saved_argv, saved_path = sys.argv, list(sys.path)
-    sys.argv = [str(path), *script_args]
-    sys.path.insert(0, str(path.parent))
-    try:
-        with capturing():
-            runpy.run_path(str(path), run_name="__main__")
-    except Captured as c:
-        return c.kwargs
-    finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
-    raise SystemExit(f"ppq tune: {script} finished without calling deepspeed_ppq.initialize(...): the tuner "
-                     "takes the model, data and config from that call")
-
-
-def _settings_flags(p: argparse.ArgumentParser) -> list[str]:
-    """``--<field>`` for every scalar or list field of ``ppq.autotune`` (generated from the config)."""
-    from deepspeed_ppq.config import AutotuneConfig
-
-    names = []
-    for name, f in AutotuneConfig.model_fields.items():
-        ann = str(f.annotation)
-        flag = "--" + name.replace("_", "-")
-        if "CodecConfig" in ann:
-            continue
-        if ann.startswith("list") or "list[" in ann:
-            p.add_argument(flag, dest=f"set_{name}", help=f"{f.description or name} (comma-separated)")
-        elif "bool" in ann:
-            p.add_argument(flag, dest=f"set_{name}", choices=["true", "false"], help=f.description)
-        else:
-            p.add_argument(flag, dest=f"set_{name}", help=f.description)
-        names.append(name)
-    return names
-
-
-def _overrides(ns, names: list[str]) -> dict:
-    out = {}
-    for name in names:
-        v = getattr(ns, f"set_{name}", None)
-        if v is None:
-            continue
-        if name in ("micro_batch_sizes", "pipeline_degrees"):
-            v = [int(x) for x in v.split(",")]
-        elif name in ("formats", "schedules"):
-            v = v.split(",")
-        elif v in ("true", "false"):
-            v = v == "true"
-        out[name] = v
-    if getattr(ns, "budget_mb", None) is not None:
-        out["memory_budget"] = int(float(ns.budget_mb) * 2**20)
-    return out
-
-
-def spawn_local(argv: list[str], nproc: int, timeout: float = 3600) -> int:
-    """Run ``python -m deepspeed_ppq.cli <argv>`` on ``nproc`` local gloo ranks; returns the exit code."""
-    import socket
-    import subprocess
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for r in range(nproc):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("DS_ACCELERATOR", "cpu")
-        procs.append(subprocess.Popen([sys.executable, "-m", "deepspeed_ppq.cli", *argv], env=env))
-    codes = []
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            codes.append(124)
-        if codes[-1]:  # one rank failed: the others would wait for it forever
-            for q in procs:
-                if q.poll() is None:
-                    q.kill()
-    from deepspeed_ppq.integrations.shm import release_deepspeed_shm
-
-    release_deepspeed_shm(port, "127.0.0.1")
-    return max(codes, key=abs)
-
-
-def _run(ns) -> int:
-    names = ns.setting_names
-    own = argparse.ArgumentParser(add_help=False)
-    own.add_argument("--budget-mb", dest="budget_mb", type=float)
-    own.add_argument("--nproc", type=int, default=2)
-    own.add_argument("--out", dest="out_dir")
-    _settings_flags(own)
-    mine, script_args = own.parse_known_args(ns.rest)
-    for key, value in vars(ns).items():  # tuner flags given before the script
-        if value is not None and getattr(mine, key, None) is None:
-            setattr(mine, key, value)
-    if "RANK" not in os.environ:
-        return spawn_local(["tune", ns.script, *ns.rest], mine.nproc)
-    import deepspeed
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    kw = _run_script(ns.script, script_args)
-    from deepspeed_ppq.integrations.ds_setup import _resolve_ds_config
-
-    ds_config = copy.deepcopy(_resolve_ds_config(kw.get("args"), kw.get("config"), kw.get("config_params")))
-    ppq = dict(ds_config.get("ppq") or {})
-    ppq["autotune"] = {**(ppq.get("autotune") or {}), **_overrides(mine, names)}
-    if mine.out_dir:
-        ppq["autotune"]["out_dir"] = mine.out_dir
-    ppq.pop("plan_file", None)
-    ds_config["ppq"] = ppq
-    model = kw.get("model")
-    from deepspeed_ppq.autotune.loop import TuningError
-    from deepspeed_ppq.autotune.plan import PlanError
-    from deepspeed_ppq.autotune.planner import InfeasibleBudgetError
-
-    try:
-        plan = autotune(model, None, kw.get("training_data"), None, ds_config)
-    except (PPQConfigError, PlanError, InfeasibleBudgetError, TuningError) as e:
-        if dist.get_rank() == 0:
-            print(f"ppq tune: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 2
-    if dist.get_rank() == 0:
-        out = load_ppq_config(ppq).autotune.out_dir
-        print(f"[ppq tune] wrote {out}/plan.json ({plan.notes[0] if plan.notes else 'plan'}), "
-              f"{out}/report.md and {out}/tune.json", flush=True)
-    return 0
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "tune", help="tune your training script's pipeline: profile, plan, measure, check (the autotuner)",
-        description="Run SCRIPT (your DeepSpeed training script, unmodified) under the tuner: its call to "
-        "deepspeed_ppq.initialize hands the model, data and config (with its ppq.autotune section) to the "
-        "tuner, which writes plan.json and report.md. Apply the plan with \"ppq\": {\"plan_file\": ...}. "
-        "Tuner flags may stand anywhere after SCRIPT; the others go to the script.")
-    p.add_argument("script", help="your training script (it must call deepspeed_ppq.initialize)")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="the script's arguments and the tuner's flags")
-    group = p.add_argument_group("tuner flags (override ppq.autotune)")
-    group.add_argument("--budget-mb", dest="budget_mb", type=float, help="per-stage memory budget in MiB")
-    group.add_argument("--nproc", type=int, default=2, help="local ranks when not under a launcher")
-    group.add_argument("--out", dest="out_dir", help="output folder (plan.json, report.md, tune.json)")
-    names = _settings_flags(group)
-    p.set_defaults(func=_run, setting_names=names)
-

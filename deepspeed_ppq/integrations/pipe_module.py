@@ -141,7 +141,7 @@ class PPQPipelineModule(PipelineModule):
         cfg = load_ppq_config(_ppq_section(config))
         if cfg.plan_file and not is_capturing():  # build this stage as the tuned plan says
             from deepspeed_ppq.autotune.plan import load_plan
-            from deepspeed_ppq.integrations.autotune import model_fingerprint
+            from deepspeed_ppq.integrations.model_layers import model_fingerprint
             from deepspeed_ppq.integrations.plan_apply import plan_module
 
             plan = load_plan(cfg.plan_file)

@@ -18,6 +18,7 @@ from deepspeed.pipe import PipelineModule
 
 from deepspeed_ppq.autotune.plan import Plan, PlanError, load_plan
 from deepspeed_ppq.config import PPQConfigError
+from deepspeed_ppq.integrations.model_layers import checkpointable_names, model_fingerprint
 
 __all__ = ["apply_plan", "plan_module"]
 
@@ -36,7 +37,6 @@ def plan_module(plan: Plan, specs: list, loss_fn, weights: dict | None = None, b
     """
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
-    from deepspeed_ppq.integrations.autotune import checkpointable_names
     from deepspeed_ppq.integrations.pipe_module import PPQPipelineModule
     from deepspeed_ppq.integrations.stage import infer_block_layers
 
@@ -105,7 +105,6 @@ def apply_plan(plan: Plan | str, model, optimizer, ds_config: dict, args=None):
     Raises:
         PlanError: the plan is unreadable, for another model or another world size.
     """
-    from deepspeed_ppq.integrations.autotune import model_fingerprint
     from deepspeed_ppq.quant import build_optimizer
 
     source = f"plan file {plan}" if isinstance(plan, str) else "the plan"
