@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from deepspeed_ppq import ops as registry
-from deepspeed_ppq.quant.adam8bit import BLOCK, adam8bit_step, optimizer_class
+from deepspeed_ppq.quant.adam8bit import BNB_BLOCK_SIZE as BLOCK
+from deepspeed_ppq.quant.adam8bit import adam8bit_step, optimizer_class
 from deepspeed_ppq.quant.optim import build_optimizer
 
 bnb = pytest.importorskip("bitsandbytes")

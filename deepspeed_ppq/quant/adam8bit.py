@@ -40,9 +40,9 @@ import torch
 
 from deepspeed_ppq.ops import define_op
 
-__all__ = ["BLOCK", "adam8bit_step", "optimizer_class"]
+__all__ = ["BNB_BLOCK_SIZE", "adam8bit_step", "optimizer_class"]
 
-BLOCK = 256  # values per absmax, as bitsandbytes' blockwise optimizers
+BNB_BLOCK_SIZE = 256  # values per absmax, as bitsandbytes' blockwise optimizers (Optimizer2State)
 
 
 def _sqrt(x: torch.Tensor) -> torch.Tensor:
@@ -62,10 +62,10 @@ def _step_ref(p, g, state1, state2, absmax1, absmax2, qmap1, qmap2, beta1, beta2
               weight_decay, gnorm_scale):
     n = p.numel()
     nb = absmax1.numel()
-    pad = nb * BLOCK - n
+    pad = nb * BNB_BLOCK_SIZE - n
 
     def blocks(x):
-        return torch.nn.functional.pad(x.reshape(-1), (0, pad)).view(nb, BLOCK)
+        return torch.nn.functional.pad(x.reshape(-1), (0, pad)).view(nb, BNB_BLOCK_SIZE)
 
     m = blocks(qmap1[state1.reshape(-1).long()]) * absmax1.view(-1, 1)
     v = blocks(qmap2[state2.reshape(-1).long()]) * absmax2.view(-1, 1)
@@ -78,7 +78,7 @@ def _step_ref(p, g, state1, state2, absmax1, absmax2, qmap1, qmap2, beta1, beta2
     c1, c2 = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
     w = w + (-lr * c2 / c1) * (m / (_sqrt(v) + eps * c2))
     if pad:  # the padding must not count towards the last block's absmax
-        valid = torch.arange(nb * BLOCK, device=p.device).view(nb, BLOCK) < n
+        valid = torch.arange(nb * BNB_BLOCK_SIZE, device=p.device).view(nb, BNB_BLOCK_SIZE) < n
         m, v = m.masked_fill(~valid, 0.0), v.masked_fill(~valid, 0.0)
     a1, a2 = m.abs().amax(dim=1), v.amax(dim=1)
     q1 = _nearest(m * (1.0 / torch.where(a1 > 0, a1, 1.0)).view(-1, 1), qmap1)
@@ -120,7 +120,7 @@ def adam8bit_step(p: torch.Tensor, g: torch.Tensor, state1: torch.Tensor, state2
         ValueError: a tensor of the wrong dtype, device or size, or a hyper-parameter out of range.
     """
     n = p.numel()
-    nb = -(-n // BLOCK)
+    nb = -(-n // BNB_BLOCK_SIZE)
     for name, t, dt, size in (
         ("p", p, torch.float32, n), ("g", g, torch.float32, n), ("state1", state1, torch.uint8, n),
         ("state2", state2, torch.uint8, n), ("absmax1", absmax1, torch.float32, nb),

@@ -49,8 +49,8 @@ from torch import nn
 
 from deepspeed_ppq.ops import define_op, registered_ops
 from deepspeed_ppq.quant import ops as _wops
-from deepspeed_ppq.quant.adam8bit import _sqrt, _step_ref, adam8bit_step
-from deepspeed_ppq.quant.optim import BNB_BLOCK_SIZE, MIN_8BIT_SIZE, underlying_optimizer
+from deepspeed_ppq.quant.adam8bit import BNB_BLOCK_SIZE, _sqrt, _step_ref, adam8bit_step
+from deepspeed_ppq.quant.optim import MIN_8BIT_SIZE, underlying_optimizer
 from deepspeed_ppq.quant.sr_ops import _quantize_sr_out_ref, weight_quantize_sr_out
 
 __all__ = [
@@ -59,7 +59,6 @@ __all__ = [
     "attach_master_free",
     "zero_master_free_grads",
     "master_free_grad_norm",
-    "MIN_8BIT_SIZE",
 ]
 
 _QMAPS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -27,9 +27,12 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from deepspeed_ppq.quant import adam8bit
+from deepspeed_ppq.quant.adam8bit import BNB_BLOCK_SIZE
+
 __all__ = [
     "OPTIMIZER_KINDS",
-    "BNB_BLOCK_SIZE",
+    "MIN_8BIT_SIZE",
     "build_optimizer",
     "optimizer_kind",
     "optimizer_state_bytes",
@@ -39,8 +42,7 @@ __all__ = [
 ]
 
 OPTIMIZER_KINDS = ("adam", "adamw", "adam8bit", "adamw8bit", "sgd")
-BNB_BLOCK_SIZE = 256  # bitsandbytes Optimizer2State: absmax per 256 state values
-MIN_8BIT_SIZE = 4096  # build_optimizer's default: smaller tensors keep fp32 states
+MIN_8BIT_SIZE = 4096  # bitsandbytes' default, and build_optimizer's: smaller tensors keep fp32 states
 _BNB_QMAP_BYTES = 256 * 4  # one 256-entry fp32 code map
 
 
@@ -91,8 +93,6 @@ def build_optimizer(
         return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if kind == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    from deepspeed_ppq.quant import adam8bit
-
     cls = adam8bit.optimizer_class(kind)
     return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, min_8bit_size=min_8bit_size)
 
