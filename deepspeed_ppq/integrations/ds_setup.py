@@ -14,7 +14,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed_ppq.config import PPQConfig, PPQConfigError, load_ppq_config
 from deepspeed_ppq.integrations.shm import release_at_exit
 
-__all__ = ["initialize", "check_codecs"]
+__all__ = ["initialize", "check_codecs", "check_partition", "configured_parts"]
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
@@ -52,8 +52,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         ``PipelineModule`` the engine is a ``PPQPipelineEngine``.
 
     Raises:
-        PPQConfigError: a bad ``"ppq"`` section, explicit boundaries the module was not built with,
-            AQ-SGD without sample indices, or an optimizer built before ``ppq.weights`` replaced layers.
+        PPQConfigError: a bad ``"ppq"`` section, a ``ppq.partition`` the module was not cut by
+            (``check_partition``), AQ-SGD without sample indices, or an optimizer built before
+            ``ppq.weights`` replaced layers.
     """
     from deepspeed_ppq.integrations.capture import capture_initialize
 
@@ -94,10 +95,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         if requantize:
             _wire_requantize(out[0])
         return out
-    if ppq.partition.method == "explicit" and list(model.parts) != list(ppq.partition.boundaries):
-        raise PPQConfigError(
-            f"ppq.partition.boundaries={ppq.partition.boundaries} but the model was partitioned as "
-            f"{list(model.parts)}: build it with PPQPipelineModule.from_config(layers, num_stages, config)")
+    check_partition(model, ppq)
     if ppq.aqsgd.enabled:
         _check_sample_ids(training_data, sample_ids)
     check_codecs(ppq)
@@ -115,6 +113,99 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         _wire_requantize(out[0])
     return out
 
+
+
+def configured_parts(model: PipelineModule, cfg: PPQConfig) -> list[int]:
+    """The stage boundaries ``cfg.partition`` gives ``model``'s layers on its number of stages: the explicit
+    boundaries, or DeepSpeed's own method (``PipelineModule._partition_layers``: ``uniform``, ``parameters``
+    -- balanced trainable parameter counts -- or ``type:<regex>`` -- balanced counts of the matching layers).
+
+    Parameters are counted as DeepSpeed counted them when it cut the module: a layer given as a
+    ``LayerSpec`` is built on the meta device (nothing allocated), and a ``QuantLinear`` that ``ppq.weights``
+    made out of an ``nn.Linear`` after the cut counts as that ``nn.Linear``.
+
+    Raises:
+        PPQConfigError: a ``type:`` pattern that matches no layer.
+    """
+    from deepspeed.runtime import utils as ds_utils
+
+    part, specs, n = cfg.partition, model._layer_specs, model.num_stages
+    method = part.method.lower()
+    if method == "explicit":
+        return [int(b) for b in part.boundaries]
+    if method == "uniform":
+        parts = ds_utils.partition_uniform(num_items=len(specs), num_parts=n)
+    elif method == "parameters":
+        parts = ds_utils.partition_balanced(weights=[_trainable_count(s) for s in specs], num_parts=n)
+    else:  # type:<regex>, read as DeepSpeed reads it (lower-cased, up to a second ':')
+        try:
+            matches = set(model._find_layer_type(method.split(":")[1]))
+        except RuntimeError:
+            names = sorted({_layer_class(s) for s in specs})
+            raise PPQConfigError(f"ppq.partition.method={part.method!r} matches none of this model's layers "
+                                 f"(classes {names}): give a pattern that matches the blocks, e.g. "
+                                 f"'type:{names[0] if names else 'Block'}'") from None
+        parts = ds_utils.partition_balanced(weights=[int(i in matches) for i in range(len(specs))],
+                                            num_parts=n)
+    return [int(b) for b in parts]
+
+
+def check_partition(model: PipelineModule, cfg: PPQConfig) -> None:
+    """When the config sets ``ppq.partition``, ``model`` must be cut that way: a ``PipelineModule`` splits its
+    layers when it is built, so a partition set only in the config would be silently ignored.
+
+    A config without a ``partition`` section leaves the module's own split as it is.
+
+    Raises:
+        PPQConfigError: naming the field, the split it gives this model, the module's split and the fix.
+    """
+    if "partition" not in cfg.model_fields_set:
+        return
+    want, have = configured_parts(model, cfg), [int(p) for p in model.parts]
+    if want == have:
+        return
+    part = cfg.partition
+    if part.method == "explicit":
+        field, build = f"ppq.partition.boundaries={part.boundaries}", f"boundaries={want}"
+    else:
+        field = f"ppq.partition.method={part.method!r}"
+        build = f"partition_method={part.method!r}"
+    raise PPQConfigError(
+        f"{field} cuts this model's {len(model._layer_specs)} layers into {model.num_stages} stages as "
+        f"{want}, but the {type(model).__name__} given was built as {have}: build it from the config with "
+        f"PPQPipelineModule.from_config(layers, num_stages, config), or pass {build} when building it "
+        "(or drop ppq.partition to keep the module's own split)")
+
+
+def _layer_class(spec) -> str:
+    typename = getattr(spec, "typename", None)  # LayerSpec
+    if typename is not None:
+        return typename.__name__
+    return type(spec).__name__ if isinstance(spec, torch.nn.Module) else getattr(spec, "__name__", "fn")
+
+
+def _trainable_count(spec) -> int:
+    """Trainable parameters of one layer as ``PipelineModule._count_layer_params`` counts them."""
+    from deepspeed.pipe import LayerSpec
+
+    if isinstance(spec, LayerSpec):
+        try:
+            with torch.device("meta"):
+                layer = spec.build()
+        except Exception:  # noqa: BLE001 - a layer that cannot be built on meta: as DeepSpeed does
+            layer = spec.build()
+        return _linear_as_built(layer)
+    return _linear_as_built(spec) if isinstance(spec, torch.nn.Module) else 0
+
+
+def _linear_as_built(module: torch.nn.Module) -> int:
+    from deepspeed_ppq.quant import QuantLinear
+
+    if isinstance(module, QuantLinear):  # was an nn.Linear when DeepSpeed cut the layers
+        return module.in_features * module.out_features + (module.out_features if module.bias is not None
+                                                            else 0)
+    own = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
+    return own + sum(_linear_as_built(c) for c in module.children())
 
 
 def check_codecs(cfg: PPQConfig) -> None:

@@ -6,16 +6,23 @@ boundary), trains a few steps with SGD and evaluates once. Every rank also runs 
 process with ``compressed_boundary`` at the same boundaries and reports, per case: the losses of both,
 the largest gradient difference over the parameters of its own stage, and the engine's byte counters.
 A case with ``"expect_error"`` reports the error message instead.
+
+A case with ``"partition_method"`` builds a stock ``PipelineModule`` cut by that method instead (and
+``"from_config"`` a ``PPQPipelineModule.from_config`` from the case's ``"ppq"``); ``"wide"`` widens the
+first hidden layer so that DeepSpeed's partition methods cut the layers differently. After training, each
+rank reports the SHA-256 of its stage's parameters (bytes, in order), to compare runs bit for bit.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 
 import deepspeed
 import torch
 from deepspeed import comm as dist
+from deepspeed.pipe import PipelineModule
 from dist_utils import write_result
 from torch import nn
 
@@ -25,6 +32,7 @@ from deepspeed_ppq.integrations import WithSampleIds
 from deepspeed_ppq.integrations.pipe_module import PPQPipelineModule
 
 MB, GAS, T, D_IN, D, D_OUT, N = 2, 2, 4, 8, 16, 4, 8
+WIDE = 64  # "wide": parameters [576, 0, 1040, 0, 272, 0, 68]: uniform [0, 4, 7], parameters [0, 2, 7]
 
 
 class Fork(nn.Module):
@@ -40,12 +48,14 @@ class Join(nn.Module):
         return a * b + c.to(a.dtype)[:, None, None] * 0.0
 
 
-def make_layers(tuple_act: bool) -> list[nn.Module]:
+def make_layers(tuple_act: bool, wide: bool = False) -> list[nn.Module]:
     torch.manual_seed(0)
-    layers = [nn.Linear(D_IN, D), nn.Tanh()]
+    h = WIDE if wide else D
+    # "wide": the first Linear inside a container, as in a block: ppq.weights converts it in place
+    layers = [nn.Sequential(nn.Linear(D_IN, h)) if wide else nn.Linear(D_IN, h), nn.Tanh()]
     if tuple_act:
         layers += [Fork(), Join()]
-    layers += [nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D_OUT)]
+    layers += [nn.Linear(h, D), nn.Tanh(), nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D_OUT)]
     return layers
 
 
@@ -86,11 +96,11 @@ class Reference:
     """The whole model in one process with ``compressed_boundary`` at every stage boundary (one channel
     each, the tuple's floating tensors in its slots)."""
 
-    def __init__(self, ppq, tuple_act: bool, cuts: list[int]):
+    def __init__(self, ppq, tuple_act: bool, cuts: list[int], wide: bool = False):
         from deepspeed_ppq.compress import BoundaryChannel
 
         self.cuts = set(cuts[1:-1])
-        self.model = nn.Sequential(*make_layers(tuple_act))
+        self.model = nn.Sequential(*make_layers(tuple_act, wide))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
         self.channels = {b: BoundaryChannel(ppq, label=f"ref {b}") for b in sorted(self.cuts)}
 
@@ -142,7 +152,15 @@ def run_case(case: dict, world: int) -> dict:
                  "steps_per_print": 10**6, "ppq": case.get("ppq", {})}
     if isinstance(case.get("ppq_by_rank"), list):
         ds_config["ppq"] = case["ppq_by_rank"][dist.get_rank()]
-    module = PPQPipelineModule(make_layers(tuple_act), num_stages=world, boundaries=cuts, loss_fn=loss_fn)
+    layers = make_layers(tuple_act, case.get("wide", False))
+    if case.get("partition_method"):
+        module = PipelineModule(layers, num_stages=world, partition_method=case["partition_method"],
+                                loss_fn=loss_fn)
+    elif case.get("from_config"):
+        module = PPQPipelineModule.from_config(layers, world, ds_config, loss_fn=loss_fn)
+    else:
+        module = PPQPipelineModule(layers, num_stages=world, boundaries=cuts, loss_fn=loss_fn)
+    cuts = [int(p) for p in module.parts]
     opt = torch.optim.SGD(module.parameters(), lr=0.05)
     grads: list[dict] = []
     opt.register_step_pre_hook(lambda o, a, k: grads.append(
@@ -164,13 +182,15 @@ def run_case(case: dict, world: int) -> dict:
         if not case.get("expect_error"):
             raise
         return {"error": f"{type(e).__name__}: {e}"}
-    res = {"losses": losses, "eval_loss": eval_loss, "skipped": engine.skipped_steps}
+    res = {"losses": losses, "eval_loss": eval_loss, "skipped": engine.skipped_steps, "parts": cuts,
+           "params_sha256": hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes()
+                                                    for p in engine.module.parameters())).hexdigest()}
     if hasattr(engine, "ppq_stats"):
         res["stats"] = {f"{b}.{d}": v for (b, d), v in engine.ppq_stats(all_stages=True).items()}
-    if case.get("stock"):
+    if case.get("stock") or case.get("from_config"):  # from_config: low-bit weights, no dense reference
         return res
     ppq = load_ppq_config(ds_config["ppq"])
-    ref = Reference(ppq, tuple_act, cuts)
+    ref = Reference(ppq, tuple_act, cuts, case.get("wide", False))
     ref_losses, worst = [], 0.0
     for s in range(steps):
         loss, ref_grads = ref.train_step(mbs[s * GAS:(s + 1) * GAS], s)
