@@ -4,6 +4,8 @@ One multi-process run per world size carries every codec case (process start-up 
 import cost seconds). Each case trains 3 steps and evaluates once; every rank compares its own
 stage's gradients with a single-process model that applies the same codec at the same boundaries
 (``compressed_boundary``), and the engine's byte counters with the codec's theory (``payload_nbytes``).
+Codec "none" is stock DeepSpeed bit for bit: the same losses, and the same bytes in every parameter after
+the steps.
 """
 
 from __future__ import annotations
@@ -111,6 +113,11 @@ def _check_world(results: list[dict], world: int) -> None:
             stock = res["stock" if base == "none" else "stock_tuple"]
             assert res[base]["losses"] == stock["losses"], (rank, base)  # bit-identical to DeepSpeed
             assert res[base]["eval_loss"] == stock["eval_loss"]
+            # and so are the parameters after the steps (this stage's, every byte)
+            assert res[base]["params_sha256"] == stock["params_sha256"], (rank, base)
+            # (the digest tells runs apart: a compressing codec trains other parameters)
+            coded = res["quant8" if base == "none" else "tuple_quant8"]
+            assert coded["params_sha256"] != stock["params_sha256"], (rank, base)
             for key, s in res[base]["stats"].items():  # measured on DeepSpeed's own send path
                 b, d = key.split(".")
                 msgs, total = _wire_theory({}, d, base == "none_tuple", int(b))
