@@ -1,14 +1,21 @@
 """Low-bit weights for pipeline stages: formats, the quantized linear layer, the precision policy,
 the memory ledger and optimizers with 8-bit states.
 
-* ``formats``: ``QuantizedWeight`` and ``quantize_weight`` (int8, int4, nf4, fp8; blockwise).
-* ``linear``: ``QuantLinear`` ("train": low-bit compute copy + fp32 master; "frozen": + LoRA),
-  ``convert_model``.
+Modules, bottom to top (each imports only those above it in this list; ``tests/test_import_layers.py``):
+
+* ``ops``, ``sr_ops``, ``adam8bit``: the ``ppq::`` weight ops (quantize, stochastic rounding, 8-bit
+  Adam) with their plain-PyTorch references; the formats themselves are rows of ``deepspeed_ppq.formats``.
+* ``formats``: ``QuantizedWeight``, ``quantize_weight`` and ``weight_storage_bytes`` (blockwise codes and
+  scales, their exact bytes).
 * ``policy``: ``PrecisionPolicy``, ``plan``, ``explain`` (which layer gets which format).
-* ``ledger``: ``MemoryLedger``, ``ledger_from_model``, ``ledger_from_shapes``, ``measure_storage``.
-* ``optim``: ``build_optimizer`` (adam, adamw, adam8bit, adamw8bit, sgd), ``requantize_after_step``.
+* ``linear``: ``QuantLinear`` ("train": low-bit compute copy + fp32 master; "frozen": + LoRA),
+  ``convert_model`` (the policy applied).
+* ``optim``: ``build_optimizer`` (adam, adamw, adam8bit, adamw8bit, sgd), their state bytes,
+  ``requantize_after_step``.
 * ``master_free``: ``attach_master_free`` for ``weights.master="none"`` (only 8-bit codes are kept;
   AdamW on the dequantized weight, then stochastic-rounding re-quantization, ``sr_ops``).
+* ``ledger``: ``MemoryLedger``, ``ledger_from_model``, ``ledger_from_shapes``, ``measure_storage``: the
+  bytes of all of the above, by memory category (``deepspeed_ppq.memory_categories``).
 
 Typical use (a DeepSpeed ``PipelineModule`` whose layers 1..n are transformer blocks)::
 
@@ -46,32 +53,13 @@ from deepspeed_ppq.quant.master_free import attach_master_free, master_free_laye
 from deepspeed_ppq.quant.optim import OPTIMIZER_KINDS, build_optimizer, optimizer_kind, requantize_after_step
 from deepspeed_ppq.quant.policy import LayerDecision, PrecisionPolicy, as_policy, block_index, explain, plan
 
+# the package's API, by module (each module's own __all__ has more)
 __all__ = [
-    "QuantizedWeight",
-    "quantize_weight",
-    "QuantLinear",
-    "convert_model",
-    "requantize_model",
-    "lora_parameters",
-    "workspace_tensors",
-    "clear_workspace",
-    "PrecisionPolicy",
-    "LayerDecision",
-    "as_policy",
-    "block_index",
-    "plan",
-    "explain",
-    "MemoryLedger",
-    "ParamSpec",
-    "ledger_from_model",
-    "ledger_from_shapes",
-    "measure_storage",
-    "weight_storage_bytes",
-    "OPTIMIZER_KINDS",
-    "build_optimizer",
-    "optimizer_kind",
-    "requantize_after_step",
-    "attach_master_free",
-    "master_free_layers",
-    "zero_master_free_grads",
-]
+    "QuantizedWeight", "quantize_weight", "weight_storage_bytes",
+    "QuantLinear", "convert_model", "requantize_model", "lora_parameters",
+    "workspace_tensors", "clear_workspace",
+    "PrecisionPolicy", "LayerDecision", "as_policy", "block_index", "plan", "explain",
+    "MemoryLedger", "ParamSpec", "ledger_from_model", "ledger_from_shapes", "measure_storage",
+    "OPTIMIZER_KINDS", "build_optimizer", "optimizer_kind", "requantize_after_step",
+    "attach_master_free", "master_free_layers", "zero_master_free_grads",
+]  # fmt: skip

@@ -63,11 +63,15 @@ from torch import nn
 from deepspeed_ppq.config import WeightFormat, WeightsConfig
 from deepspeed_ppq.formats import MASTER_FREE_FORMATS, format_spec
 from deepspeed_ppq.quant.formats import weight_storage_bytes
+from deepspeed_ppq.quant.linear import QuantLinear, workspace_tensors
+from deepspeed_ppq.quant.master_free import shared_code_maps
 from deepspeed_ppq.quant.optim import (
+    MIN_8BIT_SIZE,
     optimizer_shared_bytes,
     optimizer_state_bytes,
     underlying_optimizer,
 )
+from deepspeed_ppq.quant.policy import as_policy, plan
 
 __all__ = [
     "MemoryLedger",
@@ -185,7 +189,7 @@ def ledger_from_shapes(
     optimizer: str | None = "adam",
     gradients: bool = True,
     momentum: float = 0.0,
-    min_8bit_size: int = 4096,
+    min_8bit_size: int = MIN_8BIT_SIZE,
     buffers_bytes: int = 0,
     compute_dtype: torch.dtype | None = torch.float32,
 ) -> MemoryLedger:
@@ -206,8 +210,6 @@ def ledger_from_shapes(
     Returns:
         The ``MemoryLedger``.
     """
-    from deepspeed_ppq.quant.optim import MIN_8BIT_SIZE
-
     cfg = weights_cfg or WeightsConfig()
     led = MemoryLedger()
     trained: list[tuple[int, torch.dtype]] = []
@@ -271,9 +273,6 @@ def _dtype_name(dt: torch.dtype) -> str:
 def _model_specs(model: nn.Module, weights_cfg, **policy_kwargs) -> tuple[list[ParamSpec], WeightsConfig]:
     """Parameter specs of a model: converted ``QuantLinear`` layers as they are, plain ``nn.Linear``
     layers as the policy would convert them, everything else dense."""
-    from deepspeed_ppq.quant.linear import QuantLinear
-    from deepspeed_ppq.quant.policy import as_policy, plan
-
     decisions = {}
     cfg = WeightsConfig()
     if weights_cfg is not None:
@@ -333,7 +332,7 @@ def ledger_from_model(
     optimizer: str | None = "adam",
     gradients: bool = True,
     momentum: float = 0.0,
-    min_8bit_size: int = 4096,
+    min_8bit_size: int = MIN_8BIT_SIZE,
     compute_dtype: torch.dtype | None = torch.float32,
     **policy_kwargs,
 ) -> MemoryLedger:
@@ -366,8 +365,6 @@ def measure_storage(model: nn.Module, optimizer=None) -> MemoryLedger:
         model: the module (or engine).
         optimizer: a torch/bitsandbytes optimizer, a DeepSpeed engine or wrapper, or None.
     """
-    from deepspeed_ppq.quant.linear import QuantLinear
-
     wrapper = None
     if hasattr(model, "basic_optimizer") and hasattr(model, "module"):  # a DeepSpeed engine
         if optimizer is None:
@@ -434,9 +431,6 @@ def low_bit_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     (``gradients``) and AdamW states (``optimizer.*``, with the shared 8-bit code maps of their device),
     and the shared dequantization buffer of each device (``workspace``, once it exists). Tensors a
     parameter-walking measure (``measure_storage``, PyTorch's memory tracker) cannot see by itself."""
-    from deepspeed_ppq.quant.linear import QuantLinear, workspace_tensors
-    from deepspeed_ppq.quant.master_free import _QMAPS
-
     out: list[tuple[str, torch.Tensor]] = []
     devices, qmap_devices = set(), set()
     for mod in model.modules():
@@ -456,8 +450,9 @@ def low_bit_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
                     qmap_devices.add(str(t.device))
                 else:
                     out.append(("optimizer.state", t))
+    code_maps = shared_code_maps()
     for dev in qmap_devices:
-        out += [("optimizer.qmap", t) for t in _QMAPS.get(dev, ())]
+        out += [("optimizer.qmap", t) for t in code_maps.get(dev, ())]
     out += [("workspace", t) for (_dtype, dev), t in workspace_tensors().items() if dev in devices]
     return out
 

@@ -44,6 +44,7 @@ from torch import nn
 from deepspeed_ppq.config import WeightFormat, WeightsConfig
 from deepspeed_ppq.formats import MASTER_FREE_FORMATS, format_spec
 from deepspeed_ppq.quant.formats import QuantizedWeight, quantize_weight
+from deepspeed_ppq.quant.policy import as_policy, plan
 
 __all__ = [
     "QuantLinear",
@@ -347,8 +348,6 @@ def convert_model(model: nn.Module, policy_or_cfg, **policy_kwargs) -> nn.Module
     Returns:
         ``model`` itself, converted. ``explain(model, policy)`` shows what was chosen.
     """
-    from deepspeed_ppq.quant.policy import as_policy, plan
-
     pol = as_policy(policy_or_cfg, **policy_kwargs)
     if isinstance(model, nn.Linear):
         raise ValueError(

@@ -50,7 +50,8 @@ from torch import nn
 from deepspeed_ppq.ops import define_op, registered_ops
 from deepspeed_ppq.quant import ops as _wops
 from deepspeed_ppq.quant.adam8bit import BNB_BLOCK_SIZE, _sqrt, _step_ref, adam8bit_step
-from deepspeed_ppq.quant.optim import MIN_8BIT_SIZE, underlying_optimizer
+from deepspeed_ppq.quant.linear import QuantLinear
+from deepspeed_ppq.quant.optim import MIN_8BIT_SIZE, after_each_step, underlying_optimizer
 from deepspeed_ppq.quant.sr_ops import _quantize_sr_out_ref, weight_quantize_sr_out
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "attach_master_free",
     "zero_master_free_grads",
     "master_free_grad_norm",
+    "shared_code_maps",
 ]
 
 _QMAPS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -115,10 +117,14 @@ def _qmaps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return _QMAPS[key]
 
 
+def shared_code_maps() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The 8-bit states' code maps made so far: device -> (signed, unsigned) map, one pair per device shared
+    by every master-free layer there (for the ledger and the memory tracker)."""
+    return dict(_QMAPS)
+
+
 def master_free_layers(model: nn.Module) -> list:
     """The master-free ``QuantLinear`` layers of ``model``, in module order."""
-    from deepspeed_ppq.quant.linear import QuantLinear
-
     return [m for m in model.modules() if isinstance(m, QuantLinear) and m.master_free]
 
 
@@ -229,16 +235,6 @@ def master_free_grad_norm(layers, dp_world_size: int = 1) -> float:
     return float(sq.sqrt())
 
 
-class _Handle:
-    def __init__(self, undo):
-        self._undo = undo
-
-    def remove(self) -> None:
-        if self._undo is not None:
-            self._undo()
-            self._undo = None
-
-
 def attach_master_free(optimizer, model: nn.Module, *, max_grad_norm: float | None = None, dp_group=None,
                        dp_world_size: int | None = None, allow_empty: bool = False):
     """Update ``model``'s master-free layers at the end of every ``optimizer.step()``.
@@ -296,27 +292,8 @@ def attach_master_free(optimizer, model: nn.Module, *, max_grad_norm: float | No
 
     owned = {id(p) for g in opt.param_groups for p in g["params"]}
     model_params = [p for p in model.parameters() if p.requires_grad]
-    if not model_params or any(id(p) in owned for p in model_params):
-        h = opt.register_step_post_hook(_update)
-        return _Handle(h.remove)
-    # a DeepSpeed bf16/fp16/ZeRO wrapper steps flat fp32 copies: follow its own step
-    wrapper = getattr(optimizer, "optimizer", None) if engine is not None else optimizer
-    stepless = not callable(getattr(wrapper, "step", None))
-    if wrapper is None or isinstance(wrapper, torch.optim.Optimizer) or stepless:
-        raise ValueError(
-            f"attach_master_free: {type(opt).__name__} updates none of the model's parameters; pass the "
-            "optimizer (or DeepSpeed engine) that trains this model"
-        )
-    orig = wrapper.step
-
-    def step(*args, **kwargs):
-        out = orig(*args, **kwargs)
-        _update()
-        return out
-
-    wrapper.step = step
-
-    def undo():
-        wrapper.step = orig
-
-    return _Handle(undo)
+    return after_each_step(
+        optimizer, _update, updates_model=not model_params or any(id(p) in owned for p in model_params),
+        error=f"attach_master_free: {type(opt).__name__} updates none of the model's parameters; pass the "
+        "optimizer (or DeepSpeed engine) that trains this model",
+    )

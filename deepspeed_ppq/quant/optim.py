@@ -29,6 +29,7 @@ from torch import nn
 
 from deepspeed_ppq.quant import adam8bit
 from deepspeed_ppq.quant.adam8bit import BNB_BLOCK_SIZE
+from deepspeed_ppq.quant.linear import QuantLinear
 
 __all__ = [
     "OPTIMIZER_KINDS",
@@ -38,6 +39,7 @@ __all__ = [
     "optimizer_state_bytes",
     "optimizer_shared_bytes",
     "underlying_optimizer",
+    "after_each_step",
     "requantize_after_step",
 ]
 
@@ -151,7 +153,7 @@ def underlying_optimizer(opt) -> torch.optim.Optimizer:
 
 
 class _StepWrapHandle:
-    """Undoes the ``step`` wrapping of ``requantize_after_step`` on a DeepSpeed optimizer wrapper."""
+    """Undoes the ``step`` wrapping of ``after_each_step`` on a DeepSpeed optimizer wrapper."""
 
     def __init__(self, obj, orig):
         self._obj, self._orig = obj, orig
@@ -162,6 +164,43 @@ class _StepWrapHandle:
             self._obj = None
 
 
+def after_each_step(optimizer, fn, *, updates_model: bool, error: str):
+    """Call ``fn()`` after every ``optimizer.step()``, where the model's parameters hold its result.
+
+    Args:
+        optimizer: a torch/bitsandbytes optimizer or a DeepSpeed engine.
+        fn: called with no arguments, under whatever grad mode the step leaves.
+        updates_model: the torch optimizer (``underlying_optimizer``) steps the model's own parameters
+            (plain loops; DeepSpeed fp32 without ZeRO): a step post-hook on it. Otherwise it steps flat
+            fp32 copies (a DeepSpeed bf16/fp16 or ZeRO 1/2 wrapper, which copies the result back into
+            the model's parameters at the end of its ``step``): the wrapper's ``step`` is wrapped on the
+            instance, so ``fn`` runs after that copy.
+        error: the ``ValueError`` message when neither applies (no wrapper whose ``step`` to follow).
+
+    Returns:
+        A handle; ``handle.remove()`` detaches it.
+    """
+    opt = underlying_optimizer(optimizer)
+    if updates_model:
+        return opt.register_step_post_hook(lambda *_args: fn())
+    wrapper = getattr(optimizer, "optimizer", None) if hasattr(optimizer, "basic_optimizer") else optimizer
+    if (
+        wrapper is None
+        or isinstance(wrapper, torch.optim.Optimizer)
+        or not callable(getattr(wrapper, "step", None))
+    ):
+        raise ValueError(error)
+    orig = wrapper.step
+
+    def step(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        fn()
+        return out
+
+    wrapper.step = step
+    return _StepWrapHandle(wrapper, orig)
+
+
 def requantize_after_step(optimizer, model: nn.Module):
     """Re-quantize every train-mode ``QuantLinear`` of ``model`` after each ``optimizer.step()``.
 
@@ -169,12 +208,11 @@ def requantize_after_step(optimizer, model: nn.Module):
         optimizer: a torch optimizer, a bitsandbytes optimizer, or a DeepSpeed engine.
         model: the module holding the ``QuantLinear`` layers (``engine.module`` for an engine).
 
-    How: when the torch optimizer updates the layers' own parameters (plain loops; DeepSpeed fp32
-    without ZeRO) a step post-hook is registered on it. When it updates flat fp32 copies instead (a
-    DeepSpeed bf16/fp16 or ZeRO 1/2 wrapper, which copies the result back into the model's
-    parameters at the end of its ``step``), the wrapper's ``step`` is wrapped on the instance, so the
-    re-quantization reads the parameters after that copy. In that case the master the layer keeps is
-    the bf16/fp16 parameter and the fp32 master lives in the wrapper.
+    How (``after_each_step``): when the torch optimizer updates the layers' own parameters a step
+    post-hook re-quantizes those; when it updates flat fp32 copies (a DeepSpeed bf16/fp16 or ZeRO 1/2
+    wrapper) the wrapper's ``step`` is followed, and every layer re-quantizes from its parameter after
+    the wrapper copied its result in. In that case the master the layer keeps is the bf16/fp16
+    parameter and the fp32 master lives in the wrapper.
 
     Returns:
         A handle; ``handle.remove()`` detaches it.
@@ -183,8 +221,6 @@ def requantize_after_step(optimizer, model: nn.Module):
         ValueError: the optimizer updates none of the layers' master weights and is not a wrapper
             whose ``step`` could be followed.
     """
-    from deepspeed_ppq.quant.linear import QuantLinear
-
     # master-free layers (weights.master="none") have no master: quant.master_free.attach_master_free
     layers = [
         m for m in model.modules() if isinstance(m, QuantLinear) and m.mode == "train" and not m.master_free
@@ -192,32 +228,15 @@ def requantize_after_step(optimizer, model: nn.Module):
     opt = underlying_optimizer(optimizer)
     owned = {id(p) for g in opt.param_groups for p in g["params"]}
     hooked = [m for m in layers if id(m.weight) in owned]
+    targets = hooked if hooked or not layers else layers
 
-    def _requantize(*_args):
+    def _requantize():
         with torch.no_grad():
             for m in targets:
                 m.requantize_()
 
-    if hooked or not layers:
-        targets = hooked
-        return opt.register_step_post_hook(_requantize)
-    wrapper = getattr(optimizer, "optimizer", None) if hasattr(optimizer, "basic_optimizer") else optimizer
-    if (
-        wrapper is None
-        or isinstance(wrapper, torch.optim.Optimizer)
-        or not callable(getattr(wrapper, "step", None))
-    ):
-        raise ValueError(
-            f"requantize_after_step: none of the {len(layers)} QuantLinear master weights is a parameter "
-            f"of {type(opt).__name__}; pass the optimizer (or DeepSpeed engine) that trains this model"
-        )
-    targets = layers
-    orig = wrapper.step
-
-    def step(*args, **kwargs):
-        out = orig(*args, **kwargs)
-        _requantize()
-        return out
-
-    wrapper.step = step
-    return _StepWrapHandle(wrapper, orig)
+    return after_each_step(
+        optimizer, _requantize, updates_model=bool(hooked) or not layers,
+        error=f"requantize_after_step: none of the {len(layers)} QuantLinear master weights is a parameter "
+        f"of {type(opt).__name__}; pass the optimizer (or DeepSpeed engine) that trains this model",
+    )

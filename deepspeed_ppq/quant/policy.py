@@ -18,12 +18,16 @@ blocks (for the whole model, not only this stage), and the block ordinal is that
 in the list. ``num_blocks`` must be given when a stage holds only part of the model, or the last
 blocks cannot be known.
 
-``plan(model, policy)`` is pure data (a list of ``LayerDecision``); ``explain`` prints it.
+``plan(model, policy)`` is pure data (a list of ``LayerDecision``); ``explain`` prints it. A layer
+already converted (``quant.linear.QuantLinear``, one layer up) is recognised by its low-bit weight
+(``qweight``, a ``QuantizedWeight``) and the dense dtype it records (``dense_dtype``), so the policy
+needs nothing from the layers it decides for.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +36,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from deepspeed_ppq.config import PrecisionRule, WeightFormat, WeightsConfig
+from deepspeed_ppq.quant.formats import QuantizedWeight, weight_storage_bytes
 
 __all__ = [
     "PrecisionPolicy",
@@ -256,11 +261,14 @@ def as_policy(policy_or_cfg, **kwargs) -> PrecisionPolicy:
     )
 
 
-def _linear_modules(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
-    from deepspeed_ppq.quant.linear import QuantLinear
+def _converted(mod: nn.Module) -> bool:
+    """A linear layer already converted to low bit (``QuantLinear``): it holds a ``QuantizedWeight``."""
+    return isinstance(getattr(mod, "qweight", None), QuantizedWeight)
 
+
+def _linear_modules(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
     for name, mod in model.named_modules():
-        if isinstance(mod, (nn.Linear, QuantLinear)):
+        if isinstance(mod, nn.Linear) or _converted(mod):
             yield name, mod
 
 
@@ -304,25 +312,21 @@ def plan(model: nn.Module, policy, **kwargs) -> list[LayerDecision]:
 
 
 def _dense_weight_bytes(mod: nn.Module) -> int:
-    from deepspeed_ppq.quant.linear import QuantLinear
-
-    if isinstance(mod, QuantLinear):
-        return mod.in_features * mod.out_features * mod.dense_dtype.itemsize
+    if _converted(mod):
+        return math.prod(mod.qweight.shape) * mod.dense_dtype.itemsize
     return mod.weight.numel() * mod.weight.element_size()
 
 
 def explain(model: nn.Module, policy, file=None, **kwargs) -> str:
     """A table of every linear layer's format and the weight bytes it saves, with a total.
 
-    Bytes are exact storage bytes of the compute copy (codes + scales, see ``quant.ledger``)
+    Bytes are exact storage bytes of the compute copy (codes + scales, ``quant.formats.weight_storage_bytes``)
     against the layer's weight in its current dtype; the fp32 master weight of "train" mode and
     optimizer states are not in this table (see ``ledger_from_model`` for those).
 
     Returns:
         The table as a string (also printed to ``file`` when given).
     """
-    from deepspeed_ppq.quant.ledger import weight_storage_bytes
-
     pol = as_policy(policy, **kwargs)
     w = pol.weights
     rows = []
