@@ -389,9 +389,9 @@ def test_master_free_frees_the_masters_and_searches_exactly():
     k, kf = _knobs(2, 2, 4), _knobs(2, 2, 4, master_free=True)
     c = StageChoice(1, 4, "int8", False)
     plain, free = stage_memory(prob, k, c, 0), stage_memory(prob, kf, c, 0)
-    assert plain["master"] == 4 * sum(layer.quantizable_params for layer in prob.layers[1:4])
-    assert free["master"] == 0 and {x: free[x] for x in free if x != "master"} == {
-        x: plain[x] for x in plain if x != "master"
+    assert plain["master_weights"] == 4 * sum(layer.quantizable_params for layer in prob.layers[1:4])
+    assert free["master_weights"] == 0 and {x: free[x] for x in free if x != "master_weights"} == {
+        x: plain[x] for x in plain if x != "master_weights"
     }
     assert stage_levels(prob, kf) == ["none", "int8"] and "nf4" in stage_levels(prob, k)
     with pytest.raises(ValueError, match="level 'nf4'"):

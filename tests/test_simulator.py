@@ -25,7 +25,7 @@ def test_equal_stages_free_comm_bubble_is_closed_form(name, p, m):
 @pytest.mark.parametrize("p, m", [(4, 8), (6, 4), (3, 9)])
 def test_gpipe_same_time_as_1f1b_but_holds_all_microbatches(p, m):
     act = 1000
-    mem = [StageMemory({"weights:fp32": 10}, activation_per_microbatch=act)] * p
+    mem = [StageMemory({"weights.fp32": 10}, activation_per_microbatch=act)] * p
     g = simulate(build_schedule("gpipe", p, m), [StageCost(1.0, 2.0)] * p, memory=mem)
     o = simulate(build_schedule("1f1b", p, m), [StageCost(1.0, 2.0)] * p, memory=mem)
     assert g.step_time == pytest.approx(o.step_time)
@@ -137,13 +137,13 @@ def test_recomputation_trades_time_for_activation_memory():
 
 def test_memory_categories_and_timeline():
     p, m = 2, 4
-    mem = [StageMemory({"weights:int4": 100, "weights:fp32": 50, "gradients": 400, "master_weights": 400,
-                        "optimizer_states": 800}, activation_per_microbatch=30, comm_buffers=7,
+    mem = [StageMemory({"weights.int4": 100, "weights.fp32": 50, "gradients": 400, "master_weights": 400,
+                        "optimizer": 800}, activation_per_microbatch=30, comm_buffers=7,
                        feedback_buffers=11)] * p
     r = simulate(build_schedule("1f1b", p, m), [StageCost(1.0, 1.0)] * p, memory=mem)
     pk = r.per_stage[0].peak_memory
-    assert pk == {"weights:int4": 100, "weights:fp32": 50, "gradients": 400, "master_weights": 400,
-                  "optimizer_states": 800, "comm_buffers": 7, "feedback_buffers": 11, "activations": 60}
+    assert pk == {"weights.int4": 100, "weights.fp32": 50, "gradients": 400, "master_weights": 400,
+                  "optimizer": 800, "comm_buffers": 7, "feedback_buffers": 11, "activations": 60}
     tl = r.per_stage[0].memory_timeline
     assert tl[-1][1] == 0 and max(b for _, b in tl) == 60
     assert [t for t, _ in tl] == sorted(t for t, _ in tl)

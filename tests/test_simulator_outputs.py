@@ -54,8 +54,8 @@ def test_stage_memory_low_bit_weights_and_recompute():
     full = stage_memory(SHAPE, 2, "none")
     int4 = stage_memory(SHAPE, 2, "int4")
     p = 4 * SHAPE.layer_params
-    assert full[0].static["weights:bf16"] == p * 2 + SHAPE.vocab * SHAPE.hidden * 2
-    assert int4[0].static["weights:int4"] == p // 2 + (p // 64) * 4
+    assert full[0].static["weights.bf16"] == p * 2 + SHAPE.vocab * SHAPE.hidden * 2
+    assert int4[0].static["weights.int4"] == p // 2 + (p // 64) * 4
     rec = stage_memory(SHAPE, 2, recompute=[True, True])
     assert rec[0].activation_per_microbatch == 4 * 512 * 2 * 1024 * 2
     assert rec[0].activation_per_microbatch < full[0].activation_per_microbatch / 10
@@ -74,7 +74,7 @@ def test_costs_from_profile():
 
 def _result():
     return simulate(build_schedule("zbh1", 2, 3), [StageCost(1e-3, 1e-3, 5e-4)] * 2, [(1000, 1000)],
-                    LinkModel(1e-4, 1e7), [StageMemory({"weights:int4": 10}, 100, 4, 2, 10)] * 2)
+                    LinkModel(1e-4, 1e7), [StageMemory({"weights.int4": 10}, 100, 4, 2, 10)] * 2)
 
 
 def test_chrome_trace_has_processes_tracks_and_counters():
@@ -109,7 +109,7 @@ def test_ppq_simulate_command(tmp_path, capsys):
     # 4-bit activations (per-token scales) are about 1/4 of bf16; 8-bit gradients about 1/2.
     full = 1 * 256 * 512 * 2
     assert full / 5 < out["activation_bytes"] < full / 3 and full / 2.5 < out["gradient_bytes"] < full / 1.5
-    assert "weights:int4" in out["per_stage"][0]["peak_by_category"]
+    assert "weights.int4" in out["per_stage"][0]["peak_by_category"]
     for f in ("trace.json", "timeline.png", "memory.png"):
         assert (tmp_path / f).stat().st_size > 0
 

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _harness import machine  # noqa: E402
 
+from deepspeed_ppq import memory_categories as mc  # noqa: E402
 from deepspeed_ppq.schedule import LinkModel, StageCost, StageMemory, build_schedule, simulate  # noqa: E402
 from deepspeed_ppq.schedule.costs import (  # noqa: E402
     ModelShape,
@@ -566,14 +567,16 @@ def _md(results: list[dict], wall: float) -> str:
 
 
 _CATS = ["weights", "gradients", "master", "optimizer", "activations", "buffers"]
+# memory category -> column of the report; the rest (workspace, comm and feedback buffers) is "buffers"
+_COLUMN = {mc.WEIGHTS: "weights", mc.GRADIENTS: "gradients", mc.MASTER_WEIGHTS: "master",
+           mc.OPTIMIZER: "optimizer", mc.ACTIVATIONS: "activations"}
 
 
 def _group(cats: dict) -> dict:
+    """A rank's peak by category (recorded files' older names read too) -> the report's columns."""
     g = dict.fromkeys(_CATS, 0.0)
     for k, x in cats.items():
-        key = ("weights" if k.startswith("weights") else "master" if k == "master_weights"
-               else "optimizer" if k == "optimizer_states" else k if k in g else "buffers")
-        g[key] += x
+        g[_COLUMN.get(mc.category(k), "buffers")] += x
     return g
 
 

@@ -208,15 +208,15 @@ def calibrate_memory(problem: PlanningProblem, runs: list[tuple[Plan, dict]]) ->
     for plan, run in runs:
         for sp, pred, st in zip(plan.stages, predict(problem, plan)["memory"], run["stages"]):
             phases = st["measured_memory"].get("phases") or {"pipeline": st["measured_memory"]}
-            held = pred["activations"] + pred["buffers"]
+            held = pred["activations"] + pred["comm_buffers"]
             pipe = phases.get("pipeline")
             if pipe and held > 0 and not sp.recompute:
                 scale = max(scale, pipe.get("activations", 0) / held)
             step = phases.get("step")
             params = sum(layer.params for layer in problem.layers[sp.layers[0] : sp.layers[1]])
             if step:
-                fixed = sum(pred[k] for k in ("weights", "master", "gradients", "optimizer"))
-                need = max(need, step["total"] - fixed - pred["buffers"] * saved - per_param * params)
+                fixed = sum(pred[k] for k in ("weights", "master_weights", "gradients", "optimizer"))
+                need = max(need, step["total"] - fixed - pred["comm_buffers"] * saved - per_param * params)
     problem.activation_scale = scale if scale > 0 else saved
     problem.step_fixed_bytes = need
     return {"activation_scale": problem.activation_scale, "step_transient_bytes_per_param": per_param,

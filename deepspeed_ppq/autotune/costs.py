@@ -6,7 +6,7 @@ planner reads them. Times are seconds, sizes bytes; per-sample sizes scale with 
 Memory accounting per parameter (what a stage keeps; see ``layer_static_bytes``):
   - weights: the storage of the layer's parameters and buffers in the chosen format (codes + scales
     for quantized Linear weights, training dtype for the rest), measured by the profiler;
-  - master: an fp32 master copy of every quantized weight (4 B/param; the optimizer updates it), none
+  - master_weights: an fp32 master copy of every quantized weight (4 B/param; the optimizer updates it), none
     when the weights are master-free (8-bit codes updated in place with stochastic rounding);
   - gradients: fp32, 4 B per trainable parameter;
   - optimizer: Adam, 8 B per trainable parameter (+ 4 B step per tensor); with 8-bit states
@@ -140,7 +140,7 @@ class LayerProfile:
             raise ValueError(f"format {fmt!r} cannot be master-free: use one of {MASTER_FREE_FORMATS}")
         return {
             "weights": self.weight_bytes[fmt],
-            "master": 4 * self.quantizable_params if fmt != "none" and not master_free else 0,
+            "master_weights": 4 * self.quantizable_params if fmt != "none" and not master_free else 0,
             "gradients": 4 * self.params,
             "optimizer": optimizer_bytes(self.param_numels, optimizer_8bit),
         }

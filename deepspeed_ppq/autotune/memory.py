@@ -5,18 +5,20 @@ a trial measures the stage's peak with PyTorch's category-aware tracker
 (``torch.distributed._tools.mem_tracker.MemTracker``), which sees every tensor storage the stage
 allocates while it trains and attributes it to parameters, buffers, gradients, optimizer states,
 activations (tensors made in forward or recomputation) or temporaries (tensors made in backward).
-Both are reported in the coarser ``CATEGORIES`` that the two can agree on:
+Both are reported in the coarser ``CATEGORIES`` that the two can agree on. Both vocabularies, and the one
+mapping from each onto the coarse one, live in ``deepspeed_ppq.memory_categories``:
 
 ============== =============================================== ===========================================
 category       predicted (planner)                              measured (tracker)
 ============== =============================================== ===========================================
 parameters     ``weights`` (codes + scales, or training dtype,  parameters + module buffers + low-bit
-               + the dequantization buffer) + ``master``        codes, scales and dequantization buffer
-               (fp32 masters of low-bit weights)
+               + the dequantization buffer) +                   codes, scales and dequantization buffer
+               ``master_weights`` (fp32 masters of low-bit
+               weights)
 gradients      ``gradients``                                    gradients
 optimizer      ``optimizer``                                    optimizer states
 activations    ``activations`` (saved for backward, per          activations: saved tensors, stage outputs,
-               in-flight micro-batch) + ``buffers`` (pipe        received pipe buffers, batches
+               in-flight micro-batch) + ``comm_buffers`` (pipe   received pipe buffers, batches
                buffers)
 temporaries    ``temporaries`` (largest backward transient)     temporaries (allocated during backward)
 ============== =============================================== ===========================================
@@ -36,6 +38,7 @@ import torch
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
+from deepspeed_ppq import memory_categories as mc
 from deepspeed_ppq.quant.ledger import low_bit_tensors
 
 _OPT = _MemRefType.OPT
@@ -44,37 +47,15 @@ __all__ = ["CATEGORIES", "PREDICTED", "coarse", "StageMemTracker", "measure_peak
 
 MIB = 1 << 20
 # what the planner predicts, per stage
-PREDICTED = ("weights", "master", "gradients", "optimizer", "activations", "buffers", "temporaries")
+PREDICTED = (mc.WEIGHTS, mc.MASTER_WEIGHTS, mc.GRADIENTS, mc.OPTIMIZER, mc.ACTIVATIONS, mc.COMM_BUFFERS,
+             mc.TEMPORARIES)
 # what prediction and measurement are compared in
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
-_FROM_PREDICTED = {
-    "weights": "parameters",
-    "master": "parameters",
-    "gradients": "gradients",
-    "optimizer": "optimizer",
-    "activations": "activations",
-    "buffers": "activations",
-    "temporaries": "temporaries",
-}
-_FROM_TRACKER = {
-    "Parameter": "parameters",
-    "Buffer": "parameters",
-    "Gradient": "gradients",
-    "Optstate": "optimizer",
-    "Activation": "activations",
-    "Temp": "temporaries",
-    "Other": "activations",
-}
+CATEGORIES = mc.COARSE
 
 
 def coarse(predicted: dict[str, float]) -> dict[str, int]:
-    """Planner categories (``PREDICTED``) summed into ``CATEGORIES``."""
-    out = dict.fromkeys(CATEGORIES, 0)
-    for k, v in predicted.items():
-        if k not in _FROM_PREDICTED:
-            raise ValueError(f"memory category {k!r} is not one of {PREDICTED}")
-        out[_FROM_PREDICTED[k]] += int(v)
-    return out
+    """Planner categories (``PREDICTED``; a plan file's older names read too) summed into ``CATEGORIES``."""
+    return mc.coarse(predicted, mc.PLAN_LEGACY_NAMES)
 
 
 def fmt_mib(n: float) -> str:
@@ -195,8 +176,8 @@ class StageMemTracker(MemTracker):
         for _dev, snap in self.get_tracker_snapshot(kind).items():
             for ref, v in snap.items():
                 name = getattr(ref, "value", str(ref))
-                if name in _FROM_TRACKER:
-                    out[_FROM_TRACKER[name]] += int(v)
+                if name in mc.TRACKER_COARSE_OF:
+                    out[mc.TRACKER_COARSE_OF[name]] += int(v)
         out["total"] = sum(out[c] for c in CATEGORIES)
         return out
 

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deepspeed_ppq.memory_categories import PLAN_LEGACY_NAMES, canonical
+
 __all__ = ["PLAN_SCHEMA_VERSION", "PlanError", "StagePlan", "Plan", "load_plan"]
 
 PLAN_SCHEMA_VERSION = 2
@@ -41,8 +43,9 @@ class StagePlan:
         formats: weight format of each of those layers (``"none"`` keeps the training dtype).
         recompute: activation recomputation (checkpoint every layer of the stage).
         time_per_microbatch: predicted forward + backward (+ recompute, codec, sends) seconds.
-        memory: predicted peak bytes by category (weights, master, gradients, optimizer,
-            activations, buffers).
+        memory: predicted peak bytes by memory category (``deepspeed_ppq.memory_categories``: weights,
+            master_weights, gradients, optimizer, activations, comm_buffers, temporaries); a plan file's
+            older names (master, buffers) are read as these.
     """
 
     layers: tuple[int, int]
@@ -50,6 +53,9 @@ class StagePlan:
     recompute: bool = False
     time_per_microbatch: float = 0.0
     memory: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.memory = canonical(self.memory, PLAN_LEGACY_NAMES)
 
     @property
     def peak_memory(self) -> int:
@@ -239,7 +245,7 @@ class Plan:
         try:
             stages = [StagePlan(**{**s, "layers": tuple(s["layers"])}) for s in d.pop("stages")]
             plan = cls(stages=stages, **d)
-        except (TypeError, KeyError) as e:
+        except (TypeError, KeyError, ValueError) as e:
             raise PlanError(f"plan file does not match schema version {PLAN_SCHEMA_VERSION}: {e}") from None
         plan.check()
         return plan

@@ -61,7 +61,7 @@ __all__ = [
     "stage_levels",
 ]
 
-MEMORY_CATEGORIES = PREDICTED  # weights, master, gradients, optimizer, activations, buffers, temporaries
+MEMORY_CATEGORIES = PREDICTED  # weights, master_weights, gradients, optimizer, activations, comm_buffers, ...
 _INF = float("inf")
 
 
@@ -224,9 +224,9 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
     else:
         mem["activations"] = n_act * sum(saved) + transient
     grad_buf = layers[-1].output_bytes if c.last < len(prob.layers) else 0
-    mem["buffers"] = n_buf * b * (layers[0].input_bytes + layers[-1].output_bytes) + b * grad_buf
+    mem["comm_buffers"] = n_buf * b * (layers[0].input_bytes + layers[-1].output_bytes) + b * grad_buf
     mem["activations"] = int(mem["activations"] * prob.activation_scale)
-    mem["buffers"] = int(mem["buffers"] * prob.activation_scale)
+    mem["comm_buffers"] = int(mem["comm_buffers"] * prob.activation_scale)
     params = sum(layer.params for layer in layers)
     transient = prob.step_transient_bytes_per_param * params + prob.step_fixed_bytes
     mem["temporaries"] = int(max(0.0, transient - mem["activations"]))

@@ -8,7 +8,9 @@ Two ways to the same shape of answer, a ``MemoryLedger`` (category -> bytes):
 * measured: ``measure_storage(model, optimizer)`` walks a live model and optimizer and adds up the
   storage bytes of every tensor they hold (each storage counted once).
 
-Categories (dotted; ``MemoryLedger.groups()`` sums by the first part):
+Categories (dotted below the categories of ``deepspeed_ppq.memory_categories``, the vocabulary the planner,
+the simulator and the measured tracker share; ``MemoryLedger.groups()`` sums by category, ``coarse()`` into
+the coarse categories a measurement is compared in):
 
 =================================  ============================================================
 ``weights.dense.<dtype>``          parameters kept in the training dtype (norms, embeddings, LM
@@ -62,6 +64,7 @@ from torch import nn
 
 from deepspeed_ppq.config import WeightFormat, WeightsConfig
 from deepspeed_ppq.formats import MASTER_FREE_FORMATS, format_spec
+from deepspeed_ppq.memory_categories import category, coarse
 from deepspeed_ppq.quant.formats import weight_storage_bytes
 from deepspeed_ppq.quant.linear import QuantLinear, workspace_tensors
 from deepspeed_ppq.quant.master_free import shared_code_maps
@@ -88,21 +91,27 @@ class MemoryLedger:
 
     bytes: dict[str, int] = field(default_factory=dict)
 
-    def add(self, category: str, nbytes: int) -> None:
+    def add(self, key: str, nbytes: int) -> None:
+        """Add ``nbytes`` under ``key``, a category or a dotted key below one (``ValueError`` otherwise)."""
+        category(key, legacy={})
         if nbytes:
-            self.bytes[category] = self.bytes.get(category, 0) + int(nbytes)
+            self.bytes[key] = self.bytes.get(key, 0) + int(nbytes)
 
     @property
     def total(self) -> int:
         return sum(self.bytes.values())
 
     def groups(self) -> dict[str, int]:
-        """Bytes by top-level category: weights, master_weights, gradients, optimizer, buffers."""
+        """Bytes by category (weights, master_weights, gradients, optimizer, buffers, workspace)."""
         out: dict[str, int] = {}
         for k, v in self.bytes.items():
-            top = k.split(".", 1)[0]
+            top = category(k)
             out[top] = out.get(top, 0) + v
         return out
+
+    def coarse(self) -> dict[str, int]:
+        """Bytes by coarse category (parameters, gradients, ...): what a measurement is compared in."""
+        return coarse(self.bytes)
 
     def __getitem__(self, category: str) -> int:
         """Bytes of a category or of every category under a dotted prefix (``ledger["weights"]``)."""

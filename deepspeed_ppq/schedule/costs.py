@@ -234,7 +234,7 @@ def stage_memory(shape: ModelShape, stages: int, weight_format: str = "none", op
     tp = shape.tensor_parallel
     b, s, h, v = shape.micro_batch, shape.seq_len, shape.hidden, shape.vocab
     full_act = layer_activation_bytes(shape)
-    fmt_name = "weights:" + (shape.dtype if weight_format == "none" else weight_format)
+    fmt_name = "weights." + (shape.dtype if weight_format == "none" else weight_format)
     needs_master = weight_format != "none" or shape.dtype != "fp32"
     out = []
     for i, n in enumerate(counts):
@@ -242,13 +242,13 @@ def stage_memory(shape: ModelShape, stages: int, weight_format: str = "none", op
         emb = v * h // tp if i == 0 else 0
         head = v * h // tp if i == stages - 1 else 0
         static = {fmt_name: _weight_bytes(params, weight_format, shape)}
-        hi = f"weights:{shape.dtype}"  # embedding and LM head stay in the training dtype
+        hi = f"weights.{shape.dtype}"  # embedding and LM head stay in the training dtype
         static[hi] = static.get(hi, 0) + (emb + head) * shape.act_bytes
         total_params = params + emb + head
         static["gradients"] = total_params * 4
         if needs_master:
             static["master_weights"] = (emb + head if master_free else total_params) * 4
-        static["optimizer_states"] = (params * OPTIMIZER_BYTES[optimizer]
+        static["optimizer"] = (params * OPTIMIZER_BYTES[optimizer]
                                       + (emb + head) * OPTIMIZER_BYTES[hp_opt])
         act = n * (s * b * h * shape.act_bytes // tp if recompute[i] else full_act)
         if i == stages - 1:

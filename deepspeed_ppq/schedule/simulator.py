@@ -80,8 +80,9 @@ class StageMemory:
     """Memory of one rank in bytes.
 
     Attributes:
-        static: bytes that live all step, by category, e.g. ``{"weights:int4": ..., "weights:fp32": ...,
-            "gradients": ..., "master_weights": ..., "optimizer_states": ...}``.
+        static: bytes that live all step, by memory category (``deepspeed_ppq.memory_categories``), e.g.
+            ``{"weights.int4": ..., "weights.fp32": ..., "gradients": ..., "master_weights": ...,
+            "optimizer": ...}``; the peak adds ``comm_buffers``, ``feedback_buffers`` and ``activations``.
         activation_per_microbatch: activations one forward of one chunk saves for its backward
             (with recomputation: only the checkpointed inputs).
         comm_buffers: send/receive buffers (the codec's packed payloads included).
