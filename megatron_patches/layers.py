@@ -201,9 +201,9 @@ def convert_megatron_model(model: torch.nn.Module, weights: WeightsConfig | dict
             setattr(model.get_submodule(parent) if parent else model, child,
                     QuantParallelLinear.from_parallel_linear(mod, d.format, weights))
     if any(d.quantized for d in decisions):
-        from .optim import install_requantize_after_step
+        from .optim import install_step_hooks
 
-        install_requantize_after_step()  # idempotent; the compute copies follow megatron-core's steps
+        install_step_hooks()  # idempotent; the compute copies follow megatron-core's steps
     return decisions
 
 
@@ -219,9 +219,9 @@ def install_lowbit_layers(weights: WeightsConfig | dict, log: list | None = None
     here too). ``log``, when given, collects the decisions.
     """
     check_megatron_version("low-bit layers")
-    from .optim import install_requantize_after_step
+    from .optim import install_step_hooks
 
-    install_requantize_after_step()
+    install_step_hooks()
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     weights = WeightsConfig.model_validate(weights) if isinstance(weights, dict) else weights
@@ -238,14 +238,18 @@ def install_lowbit_layers(weights: WeightsConfig | dict, log: list | None = None
 
 
 def uninstall_lowbit_layers() -> None:
-    """Restore ``TransformerBlock.__init__`` and megatron-core's optimizer ``step`` methods."""
+    """Restore ``TransformerBlock.__init__`` and megatron-core's optimizer ``step`` methods (these stay
+    wrapped while the compressed P2P with ``ppq.nonfinite="skip"`` is installed)."""
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    from .optim import uninstall_requantize_after_step
+    from .optim import uninstall_step_hooks
 
     if "TransformerBlock.__init__" in _SAVED:
         TransformerBlock.__init__ = _SAVED.pop("TransformerBlock.__init__")
-    uninstall_requantize_after_step()
+    p2p_cfg = getattr(schedules.P2PCommunicator, "ppq_config", None)
+    if p2p_cfg is None or p2p_cfg.nonfinite != "skip":  # the compressed P2P still skips flagged steps
+        uninstall_step_hooks()
 
 
 def te_fp8_settings(weights: WeightsConfig) -> dict:

@@ -1,15 +1,23 @@
-"""Re-quantize low-bit compute weights after every successful megatron-core optimizer step.
+"""megatron-core's optimizer step, wrapped: skip a step NaN/Inf crossed a stage boundary in, and
+re-quantize low-bit compute weights after every successful one.
+
+:func:`install_step_hooks` wraps ``step`` on every megatron-core optimizer class that defines one
+(class level, so the optimizer Megatron-LM builds inside ``pretrain`` is covered). Before the step:
+with ``ppq.nonfinite="skip"`` and compressed P2P, ``p2p_state.settle_step`` takes the flag "NaN/Inf
+crossed a boundary in this step" over every rank; when it is set, every rank skips the step, as
+megatron-core skips one with inf/nan gradients (``(False, None, None)``: Megatron-LM counts it as a
+skipped iteration and leaves the learning-rate schedule where it is), and the codec state returns to
+where the step found it. Without this, ``FP32Optimizer`` (which never checks) or a bf16 run without a
+loss scale would apply the NaN gradients.
 
 A :class:`~megatron_patches.layers.QuantParallelLinear` computes with a low-bit copy of its master
 weight. The copy has to follow the master after each update, and megatron-core's optimizers do not
 say when they change it in a way a module can see: ``Float16OptimizerWithFloat16Params`` and
 ``DistributedOptimizer`` copy the fp32 main params into the model params through ``.data`` (read
 in 0.16.1: ``_copy_main_params_to_model_params``), which leaves the parameter's autograd version
-counter where it was. So :func:`install_requantize_after_step` wraps ``step`` on every
-megatron-core optimizer class that defines one (``MixedPrecisionOptimizer``, ``FP32Optimizer``,
-``ChainedOptimizer``, ``LayerWiseDistributedOptimizer``, ...; class level, so the optimizer
-Megatron-LM builds inside ``pretrain`` is covered). After a step that reports success (no
-inf/nan skip), it re-quantizes the layers whose master the optimizer updates:
+counter where it was. So the wrapped ``step`` (``MixedPrecisionOptimizer``, ``FP32Optimizer``,
+``ChainedOptimizer``, ``LayerWiseDistributedOptimizer``, ...), after a step that reports success (no
+inf/nan skip), re-quantizes the layers whose master the optimizer updates:
 
 - ``Float16OptimizerWithFloat16Params`` (bf16/fp16 model params): from the fp32 main param the
   wrapper keeps, the more precise copy of the same values;
@@ -19,7 +27,7 @@ inf/nan skip), it re-quantizes the layers whose master the optimizer updates:
   re-quantize in their next forward, after the gather has landed;
 - ``ChainedOptimizer``: each of its optimizers, as above.
 
-Nested ``step`` calls (a subclass calling ``super().step()``) re-quantize once, after the outermost.
+Nested ``step`` calls (a subclass calling ``super().step()``) settle and re-quantize once, at the outermost.
 For plain torch and bitsandbytes optimizers use ``deepspeed_ppq.quant.optim.requantize_after_step``.
 """
 
@@ -31,8 +39,9 @@ import threading
 import torch
 
 from ._compat import check_megatron_version
+from .p2p_state import settle_step
 
-__all__ = ["install_requantize_after_step", "uninstall_requantize_after_step", "requantize_for_optimizer"]
+__all__ = ["install_step_hooks", "uninstall_step_hooks", "requantize_for_optimizer"]
 
 _SAVED: dict[type, object] = {}
 _DEPTH = threading.local()
@@ -131,6 +140,8 @@ def _wrap(original):
     @functools.wraps(original)
     def step(self, *args, **kwargs):
         depth = getattr(_DEPTH, "n", 0)
+        if depth == 0 and settle_step() is not None:
+            return False, None, None  # NaN/Inf crossed a stage boundary: every rank skips this step
         _DEPTH.n = depth + 1
         try:
             result = original(self, *args, **kwargs)
@@ -144,13 +155,15 @@ def _wrap(original):
     return step
 
 
-def install_requantize_after_step() -> list[str]:
+def install_step_hooks() -> list[str]:
     """Wrap ``step`` of every megatron-core optimizer class (idempotent); returns the class names.
+
+    Installed by the low-bit layers and by the compressed P2P (``megatron_patches.p2p``).
 
     Raises:
         RuntimeError: an untested megatron-core version (see ``_compat``).
     """
-    check_megatron_version("re-quantize after optimizer step")
+    check_megatron_version("optimizer step hooks")
     names = []
     for cls in _step_classes():
         if cls not in _SAVED:
@@ -160,7 +173,7 @@ def install_requantize_after_step() -> list[str]:
     return sorted(names)
 
 
-def uninstall_requantize_after_step() -> None:
+def uninstall_step_hooks() -> None:
     """Restore every wrapped ``step``."""
     for cls, original in list(_SAVED.items()):
         cls.step = original

@@ -46,7 +46,7 @@ from deepspeed_ppq.config import PPQConfig, PPQConfigError, load_ppq_config
 
 from ._compat import check_megatron_version, check_patch_points
 from .args import interleaving_problems
-from .p2p_state import _CALL, BoundaryCodecs, _CallContext, evaluating, with_sample_ids
+from .p2p_state import _CALL, BoundaryCodecs, _CallContext, device, evaluating, with_sample_ids
 
 check_patch_points("compressed P2P")  # the class below subclasses P2PCommunicator: say what is missing
 
@@ -60,14 +60,6 @@ __all__ = [
     "bytes_on_wire",
     "format_bytes_on_wire",
 ]
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        # In CPU mode (megatron_patches.cpu_shim) CUDA reads as available and current_device() is "cpu".
-        d = torch.cuda.current_device()
-        return torch.device(d) if isinstance(d, (str, torch.device)) else torch.device("cuda", d)
-    return torch.device("cpu")
 
 
 class _DecodeOnWait:
@@ -143,6 +135,10 @@ class PPQP2PCommunicator(_p2p.P2PCommunicator):
             raise PPQConfigError("ppq settings the interleaved schedule cannot carry:\n  "
                                  + "\n  ".join(problems))
         self.codecs = codecs
+        if codecs.skips_steps:  # ppq.nonfinite="skip": the optimizer step settles each step (optim.py)
+            from .optim import install_step_hooks
+
+            install_step_hooks()
 
     @property
     def training(self) -> bool:
@@ -152,8 +148,9 @@ class PPQP2PCommunicator(_p2p.P2PCommunicator):
     def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape,
                      wait_on_reqs=True):
         config, codecs, ctx = self.config, self.codecs, _CALL.get()
-        if ctx is not None:
+        if ctx is not None and codecs not in ctx.touched:
             ctx.touched.add(codecs)
+            codecs.begin_schedule(ctx.training)
         training = self.training
         if config.variable_seq_lengths or config.mtp_standalone:
             recv_prev_shape, recv_next_shape = self._communicate_shapes(
@@ -174,7 +171,7 @@ class PPQP2PCommunicator(_p2p.P2PCommunicator):
         for name, wanted, direction, shape in (("recv_prev", recv_prev, "activations", recv_prev_shape),
                                                ("recv_next", recv_next, "gradients", recv_next_shape)):
             if wanted:
-                received[name] = codecs.receive(direction, shape, config.pipeline_dtype, _device(), training)
+                received[name] = codecs.receive(direction, shape, config.pipeline_dtype, device(), training)
         (tensor_recv_prev, wire_recv_prev, _), (tensor_recv_next, wire_recv_next, _) = (
             received.get(k, (None, None, None)) for k in ("recv_prev", "recv_next"))
 
@@ -235,7 +232,7 @@ def _wrap_schedule(func: Callable) -> Callable:
         finally:
             _CALL.reset(token)
             for codecs in ctx.touched:
-                codecs.end_schedule(trained=done and ctx.training)
+                codecs.end_schedule(ctx.training, done)
         return out
 
     wrapped._ppq_wrapped = True
@@ -261,8 +258,10 @@ def install_compressed_p2p(cfg: PPQConfig | dict | str) -> type[PPQP2PCommunicat
 
     Swaps ``schedules.P2PCommunicator`` for a :class:`PPQP2PCommunicator` subclass bound to ``cfg``
     (one codec state per pipeline rank, kept across steps) and wraps the two pipelined schedule
-    functions that ``get_forward_backward_func`` returns. Idempotent; undone by
-    :func:`uninstall_compressed_p2p`.
+    functions that ``get_forward_backward_func`` returns; with ``ppq.nonfinite="skip"`` the optimizer
+    step hooks (``megatron_patches.optim``) skip a step NaN/Inf crossed a boundary in on every rank.
+    Idempotent; undone by :func:`uninstall_compressed_p2p` (the step hooks stay: they do nothing
+    without a pending step).
 
     Returns:
         The bound communicator class.
@@ -280,6 +279,10 @@ def install_compressed_p2p(cfg: PPQConfig | dict | str) -> type[PPQP2PCommunicat
     _schedules.P2PCommunicator = bound
     for name in _SCHEDULE_NAMES:
         setattr(_schedules, name, _wrap_schedule(_SAVED[name]))
+    if cfg.nonfinite == "skip":
+        from .optim import install_step_hooks
+
+        install_step_hooks()
     return bound
 
 

@@ -11,22 +11,30 @@ the ranks' states it touched, and (AQ-SGD) the sample ids taken off its batches:
 sample_ids)`` or a dict with a ``"sample_ids"`` entry, the same convention as the DeepSpeed engine. The
 first stage sends a micro-batch's ids (``int64[B]``) in front of its activation payload and every later
 stage forwards them with its own.
+
+Non-finite values (``ppq.nonfinite``): with ``"error"`` the channels stop both sides of a boundary as the
+message crosses. With ``"skip"`` a training schedule call opens a step of the codec state (EF/EF21/AQ-SGD
+updates can be undone) and keeps where NaN/Inf crossed; the optimizer step (``megatron_patches.optim``
+wraps megatron-core's) calls :func:`settle_step`, which takes the flag over every rank and, when any rank
+saw one, skips the step on all of them and rolls the codec state back, so the step's batch leaves no trace.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from deepspeed_ppq.compress import BoundaryChannel
 from deepspeed_ppq.config import PPQConfig, PPQConfigError
 
-__all__ = ["BoundaryCodecs", "evaluating", "with_sample_ids", "SAMPLE_DIM"]
+__all__ = ["BoundaryCodecs", "evaluating", "with_sample_ids", "settle_step", "device", "SAMPLE_DIM"]
 
 SAMPLE_DIM = 1  # megatron-core's activations: [seq, micro-batch, hidden]
 
@@ -40,6 +48,17 @@ class _CallContext:
 
 
 _CALL: contextvars.ContextVar[_CallContext | None] = contextvars.ContextVar("ppq_megatron_call", default=None)
+# the ranks' states whose training schedule calls ended since the last optimizer step (settle_step)
+_PENDING: list[BoundaryCodecs] = []
+
+
+def device() -> torch.device:
+    """The device this rank communicates from."""
+    if torch.cuda.is_available():
+        # In CPU mode (megatron_patches.cpu_shim) CUDA reads as available and current_device() is "cpu".
+        d = torch.cuda.current_device()
+        return torch.device(d) if isinstance(d, (str, torch.device)) else torch.device("cuda", d)
+    return torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -81,6 +100,7 @@ class BoundaryCodecs:
                                     label=f"boundary {prv} (stage {prv} -> {pp_rank})", **common)
         self._count = dict.fromkeys(("act_out", "act_in", "grad_out", "grad_in"), 0)
         self._ids: dict[int, torch.Tensor] = {}  # received activations' sample ids, by micro-batch
+        self.step_flags: list[str] = []  # where NaN/Inf crossed in the last training schedule call
 
     def _channel(self, direction: str, sending: bool) -> BoundaryChannel:
         return self.next if (direction == "activations") == sending else self.prev
@@ -160,15 +180,72 @@ class BoundaryCodecs:
         for ch in (self.next, self.prev):
             ch.raise_if_flagged(self.steps)
 
-    def end_schedule(self, trained: bool) -> None:
-        """A schedule call ended: restart the micro-batch numbers, drop what is left of it; count a step."""
+    @property
+    def skips_steps(self) -> bool:
+        """``ppq.nonfinite="skip"`` with a codec on: a flagged step is skipped on every rank."""
+        cfg = self.cfg
+        return cfg.nonfinite == "skip" and (cfg.activations.enabled or cfg.gradients.enabled)
+
+    def begin_schedule(self, training: bool) -> None:
+        """A schedule call's first message: a training call opens a step of the codec state."""
+        if training:
+            self.step_flags = []
+            for ch in (self.next, self.prev):
+                ch.begin_step()  # a step never settled (no optimizer step in between) is kept
+
+    def end_schedule(self, training: bool, done: bool = True) -> None:
+        """A schedule call ended: restart the micro-batch numbers, drop what is left of it. A training call
+        that finished counts a step and waits for :func:`settle_step`; one that failed rolls back."""
         self._count = dict.fromkeys(self._count, 0)
         self._ids.clear()
+        if training and done:
+            self.step_flags = [where for ch in (self.next, self.prev) for where in ch.flagged]
+            self.steps += 1
+            if self not in _PENDING:
+                _PENDING.append(self)
+        elif training:
+            for ch in (self.next, self.prev):
+                ch.rollback()
         for ch in (self.next, self.prev):
             ch.clear_micro_batches()
             ch.clear_flags()
-        if trained:
-            self.steps += 1
+
+
+def settle_step() -> list[str] | None:
+    """At the optimizer step (``megatron_patches.optim``): whether to skip it.
+
+    With ``ppq.nonfinite="skip"``, the flag "NaN/Inf crossed a boundary in this step" is taken (max) over
+    every rank of the default process group -- each pipeline's stages, and the data-parallel replicas whose
+    gradients the flagged ones were averaged with -- so all of them skip together; the codec state then
+    returns to where the step found it. Without a pending training step, or without ``"skip"``, nothing is
+    exchanged (all ranks agree on that: they run the same schedules with the same settings).
+
+    Returns:
+        Where NaN/Inf were seen (``"another rank"`` when only other ranks saw them) when the step is to be
+        skipped; ``None`` to go ahead (the codec state of the step is kept).
+    """
+    pending = list(_PENDING)
+    _PENDING.clear()
+    if any(c.skips_steps for c in pending):
+        seen = [where for c in pending for where in c.step_flags]
+        flag = torch.tensor([float(bool(seen))], device=device())
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            for c in pending:
+                for ch in (c.next, c.prev):
+                    ch.rollback()  # EF/EF21/AQ-SGD state as if this step's batch had never been seen
+                c.step_flags = []
+            where = seen or ["another rank"]
+            warnings.warn(f"ppq: skipping the optimizer step after training step {pending[0].steps - 1}: "
+                          f"NaN/Inf crossed a stage boundary (seen at {'; '.join(where)})", RuntimeWarning,
+                          stacklevel=3)
+            return where
+    for c in pending:
+        for ch in (c.next, c.prev):
+            ch.commit()
+        c.step_flags = []
+    return None
 
 
 def _batch_ids() -> torch.Tensor:

@@ -63,20 +63,20 @@ def test_step_skipped_for_inf_grads_does_not_requantize(optim_result):
 def test_step_wrapping_is_idempotent_and_undone():
     from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer, MixedPrecisionOptimizer
 
-    from megatron_patches.optim import install_requantize_after_step, uninstall_requantize_after_step
+    from megatron_patches.optim import install_step_hooks, uninstall_step_hooks
 
-    uninstall_requantize_after_step()  # start from megatron-core's own methods whatever ran before
+    uninstall_step_hooks()  # start from megatron-core's own methods whatever ran before
     originals = {c: c.__dict__["step"] for c in (ChainedOptimizer, FP32Optimizer, MixedPrecisionOptimizer)}
     try:
-        names = install_requantize_after_step()
+        names = install_step_hooks()
         assert {"ChainedOptimizer", "FP32Optimizer", "MixedPrecisionOptimizer"} <= set(names)
         wrapped = {c: c.__dict__["step"] for c in originals}
-        assert install_requantize_after_step() == names  # a second install wraps nothing twice
+        assert install_step_hooks() == names  # a second install wraps nothing twice
         for c, step in wrapped.items():
             assert step is not originals[c] and step._ppq_original is originals[c]
             assert c.__dict__["step"] is step
     finally:
-        uninstall_requantize_after_step()
+        uninstall_step_hooks()
     for c, step in originals.items():
         assert c.__dict__["step"] is step
 

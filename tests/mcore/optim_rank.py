@@ -97,12 +97,12 @@ def case_megatron(fixed: bool) -> dict:
 
     from megatron_patches.cpu_shim import cpu_shim
     from megatron_patches.layers import convert_megatron_model
-    from megatron_patches.optim import uninstall_requantize_after_step
+    from megatron_patches.optim import uninstall_step_hooks
 
     model = build_gpt(bf16=True)
     convert_megatron_model(model, POLICY)
     if not fixed:
-        uninstall_requantize_after_step()
+        uninstall_step_hooks()
     layers = quant_layers(model)
     with cpu_shim():
         wrapped = Float16Module(model.config, model)
