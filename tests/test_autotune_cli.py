@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -18,7 +19,7 @@ import warnings
 import pytest
 from dist_utils import ROOT, free_port, rank_env
 
-from deepspeed_ppq.autotune.plan import PlanError, load_plan
+from deepspeed_ppq.autotune.plan import Plan, PlanError, load_plan
 from deepspeed_ppq.autotune.profiler import load_cached
 
 EXAMPLE = ROOT / "examples" / "train_gpt_pipe.py"
@@ -83,6 +84,14 @@ def test_tune_the_example_script_then_train_with_the_plan(tmp_path):
     for s, (a, b) in enumerate(zip(plan.boundaries, plan.boundaries[1:])):
         assert f"stage={s} layers={b - a} [{a}, {b})" in text
     assert "step time: median" in text
+    # a plan with low-bit layers on the script's own layer modules (converted in place when the module is
+    # built from the plan, which changes their fingerprint): the run holds the plan's formats
+    low = Plan.from_dict({**plan.to_dict(), "linear_formats": {"2.mlp.fc": "int8", "5.attn.qkv": "nf4"}})
+    low.save(tmp_path / "plan_low.json")
+    cfg_low = _config(tmp_path, plan_file=str(tmp_path / "plan_low.json"))
+    outs = _two_ranks(EXAMPLE, ["--deepspeed_config", cfg_low, "--steps", "3", *MODEL_ARGS], tmp_path)
+    counts = [int(re.search(r"rank \d: (\d+) low-bit Linear layers", o).group(1)) for o in outs]
+    assert sum(counts) == 2, outs[0][-2000:]
 
 
 def test_script_that_never_calls_initialize(tmp_path):

@@ -66,3 +66,14 @@ def test_uneven_cnn_pipeline_and_errors(tmp_path):
     _check_report(tmp_path / "tight")
     data = json.loads((tmp_path / "tight" / "tune.json").read_text())
     assert data["fingerprint"]["layers"][0].startswith("ConvBlock")
+
+
+@pytest.mark.distributed
+def test_every_plan_is_validated_on_the_same_samples():
+    """One stage with 2 data-parallel replicas or two stages, any micro-batches, recomputation or not:
+    with the weights unchanged (learning rate 0) every plan's validation loss is the same, so the
+    quality gate compares plans, not validation subsets (tests/dist/tune_same_validation.py)."""
+    r0, r1 = run_ranks(ROOT / "tests" / "dist" / "tune_same_validation.py", 2, timeout=600)
+    losses = list(r0["losses"].values())
+    assert r0["losses"] == r1["losses"]
+    assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), r0["losses"]

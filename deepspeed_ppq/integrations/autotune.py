@@ -257,10 +257,12 @@ class DeepSpeedRunner:
         else:  # a quality run: validation loss after ``steps`` steps, memory not measured
             memory = dict.fromkeys((*CATEGORIES, "total"), 0)
         times = times[:n]
+        # every plan is evaluated on the same val_batches x global batch samples: each data-parallel
+        # replica on its own share (the engine averages the replicas' losses)
         val_order = list(range(len(self.val_data)))
         losses = []
         for k in range(settings.val_batches):
-            vb = _batches(self.val_data, val_order, b, k * b * m, m)
+            vb = _batches(self.val_data, val_order, b, (k * plan.data_parallel + replica) * b * m, m)
             loss = engine.eval_batch(iter(vb))
             losses.append(float(loss) if loss is not None else 0.0)
         val = torch.tensor(statistics.mean(losses))

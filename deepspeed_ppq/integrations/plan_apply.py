@@ -113,14 +113,17 @@ def apply_plan(plan: Plan | str, model, optimizer, ds_config: dict, args=None):
     if not isinstance(model, PipelineModule):
         raise PPQConfigError(f"{source} describes pipeline stages: the model must be a PipelineModule, got "
                              f"{type(model).__name__}")
-    plan.check_model(model_fingerprint(model), source)
+    built = getattr(model, "ppq_plan", None)
+    if built is None or built.to_dict() != plan.to_dict():
+        # (PPQPipelineModule.from_config checked a module it built from this plan before converting it:
+        # layers given as modules are converted in place, and their fingerprint changes with it)
+        plan.check_model(model_fingerprint(model), source)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != plan.world_size:
         raise PlanError(f"{source} is for world_size={plan.world_size}; this job has {world} ranks: re-run "
                         "`ppq tune` with this many ranks")
     _match_threads(plan, source)
     weights = dict((ds_config.get("ppq") or {}).get("weights") or {})
-    built = getattr(model, "ppq_plan", None)
     if built is not None and built.to_dict() == plan.to_dict():
         new = model  # PPQPipelineModule.from_config built it from this plan already
     else:
