@@ -7,7 +7,8 @@ For each workload, ``ppq tune`` runs the unmodified example script on 2 ranks:
    validation loss over 3 seeds: the quality gate's noise), then one feature at a time up to the tuned
    plan (low-bit weights at the stock schedule, the freed memory spent on fill, re-balanced stages,
    codecs); each rung measured: samples/s, bubble, peak memory per stage, validation loss.
-2. **A budget sweep** (``--budgets`` or the workload's list): at each per-stage budget the tuner
+2. **A budget sweep** (``--budgets``, or 8 budgets from where the fastest stock configuration fits at its
+   fastest down to where only the smallest stock configuration fits): at each per-stage budget the tuner
    measures the stock candidates that fit (the fastest measured is the baseline) and the tuned plan,
    then alternates baseline and plan ``ab_repeats`` more times; the speedup is the ratio of the
    medians. A budget where the stock configuration must compromise (recompute, or a smaller
@@ -92,6 +93,17 @@ def sweep_row(budget_mb: float, r: dict, unconstrained: dict | None) -> dict:
             "gate": r["gate"], "wall_s": r["wall_s"]}
 
 
+def sweep_budgets(free: dict, n: int = 8) -> list[float]:
+    """``n`` budgets (MiB) from the measured peak of the fastest stock configuration with no budget
+    (where it fits at its fastest) down to the smallest stock configuration's predicted peak (micro-batch
+    1 with recomputation, say: where only it fits), evenly spaced on a log scale."""
+    top = free["baseline"]["run"]["peak_memory"] / 2**20
+    bottom = 1.02 * min(c["predicted_peak"] for c in free["stock"]["candidates"]) / 2**20
+    if bottom >= top:
+        return [round(top)]
+    return sorted({round(top * (bottom / top) ** (i / (n - 1))) for i in range(n)}, reverse=True)
+
+
 def ladder_rows(r: dict) -> list[dict]:
     rows = []
     for rung in r.get("ladder", []):
@@ -174,14 +186,15 @@ def _plot(w, rows: list[dict], path: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", default="finetune,pretrain")
-    p.add_argument("--budgets", default=None, help="MiB per stage, comma-separated (default: the workload's)")
+    p.add_argument("--budgets", default=None, help="MiB per stage, comma-separated (default: from where the "
+                   "fastest stock configuration fits down to where only the smallest does)")
     p.add_argument("--no-ladder", action="store_true")
     p.add_argument("--quick", action="store_true", help="the workloads' quick settings (a smoke run)")
     args = p.parse_args()
     for name in args.workloads.split(","):
         w = settings(name, args.quick)
         m = machine()
-        budgets = [float(b) for b in args.budgets.split(",")] if args.budgets else w.sweep_mb
+        budgets = [float(b) for b in args.budgets.split(",")] if args.budgets else []
         with tempfile.TemporaryDirectory(prefix=f"ppq-bench-{name}-") as tmp:
             model = script_args(w, Path(tmp) / "pretrain.log")
             ladder = None
@@ -193,6 +206,8 @@ def main() -> int:
             free = _tune(w, 1 << 20, Path(tmp) / "free", model, {"ladder": False, "seeds": 1, "ab_repeats": 0,
                                                               "max_iterations": 1})
             unconstrained = free["baseline"]["plan"] if "error" not in free else None
+            if not budgets and unconstrained is not None:
+                budgets = sweep_budgets(free)
             rows = []
             for b in budgets:
                 r = _tune(w, b, Path(tmp) / f"b{b:g}", model, {"ladder": False})

@@ -535,7 +535,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         "profile": profile.to_dict(),
         "stock": {"candidates": [{"notes": c.notes, "predicted_step_time": c.predicted_step_time,
                                   "predicted_peak": max(sp.peak_memory for sp in c.stages),
-                                  "fits": plan_fits(problem, c)} for c in cands[:20]],
+                                  "fits": plan_fits(problem, c)} for c in cands],
                   "measured": measured},
         "baseline": {"plan": base.to_dict(), "run": base_run, "seeds": seed_losses},
         "gate": gate.to_dict(),

@@ -133,7 +133,14 @@ def format_report(result: dict) -> str:
               "| fits |",
               "|---|---|---|---|---|---|"]
     measured = {m["plan"]["notes"][0]: m for m in result["stock"]["measured"]}
-    for c in result["stock"]["candidates"][:12]:
+    # every measured configuration, then the fastest predicted of the others, to 12 rows
+    cands = result["stock"]["candidates"]
+    rows = [c for c in cands if c["notes"][0] in measured]
+    rows += [c for c in cands if c["notes"][0] not in measured][: max(0, 12 - len(rows))]
+    stop = next((x for x in result.get("log", []) if x.startswith("stock search:")), None)
+    if stop:
+        lines[-2:-2] = [f"{stop[0].upper()}{stop[1:]}.", ""]
+    for c in rows:
         m = measured.get(c["notes"][0])
         lines.append(f"| {c['notes'][0].removeprefix('stock: ')} | {c['predicted_step_time'] * 1e3:.1f} | "
                      f"{_mib(c['predicted_peak'])} | "

@@ -33,7 +33,7 @@ GLOBAL_BATCH = 16
 
 @dataclass
 class Workload:
-    """One workload: the example script's model arguments, the tuner's settings and budgets (MiB)."""
+    """One workload: the example script's model arguments, the tuner's settings and its budget (MiB)."""
 
     name: str
     title: str
@@ -41,7 +41,6 @@ class Workload:
     weights: dict
     autotune: dict
     budget_mb: float
-    sweep_mb: list[float]
     lr: float
     pretrain_steps: int = 0
     train_steps: int = 30
@@ -61,12 +60,12 @@ WORKLOADS = {
         name="pretrain", title="pre-training a deep, narrow GPT", model=_MODEL,
         weights={"keep_first_blocks": 1, "keep_last_blocks": 1},
         autotune={**_TUNE, "formats": ["int8"], "master_free": True, "optimizer_8bit": True},
-        budget_mb=72, sweep_mb=[160, 120, 100, 88, 80, 72, 64, 56], lr=1e-3),
+        budget_mb=72, lr=1e-3),
     "finetune": Workload(
         name="finetune", title="LoRA fine-tuning of a pretrained GPT on other text", model=_MODEL,
         weights={"keep_first_blocks": 0, "keep_last_blocks": 0},
         autotune={**_TUNE, "formats": ["nf4", "int8"], "master_free": False, "optimizer_8bit": True},
-        budget_mb=32, sweep_mb=[64, 48, 40, 36, 32, 28, 24, 20], lr=2e-3, pretrain_steps=400),
+        budget_mb=32, lr=2e-3, pretrain_steps=400),
 }
 
 
@@ -79,7 +78,7 @@ def settings(name: str, quick: bool = False) -> Workload:
         return w
     return Workload(name=w.name, title=w.title, model=_QUICK_MODEL, weights=w.weights,
                     autotune={**_QUICK_TUNE, **{k: w.autotune[k] for k in ("formats", "master_free")}},
-                    budget_mb=16 if name == "pretrain" else 12, sweep_mb=[], lr=w.lr,
+                    budget_mb=16 if name == "pretrain" else 12, lr=w.lr,
                     pretrain_steps=min(w.pretrain_steps, 20), train_steps=6)
 
 
