@@ -25,6 +25,7 @@
 #include <torch/library.h>
 #include <c10/util/BFloat16.h>
 
+#include "common/formats_torch.h"
 #include "isa.h"
 
 #if PPQ_ISA_AVX512 || PPQ_ISA_AVX2
@@ -46,17 +47,9 @@ namespace {
 
 using ppq::sr::Fmt;
 
-// The update re-quantizes with stochastic rounding: the formats that have it (common/formats.h).
-Fmt parse_fmt(std::string_view f) {
-  Fmt out = Fmt::I8;
-  TORCH_CHECK(ppq::formats::parse(f, &out) && ppq::formats::has_sr(out), "fmt='", std::string(f),
-              "' has no master-free update: use ", ppq::formats::kAllowedSR);
-  return out;
-}
-
-at::ScalarType code_type(Fmt f) {
-  return f == Fmt::I8 ? at::kChar : f == Fmt::E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
-}
+// The update re-quantizes with stochastic rounding: the formats that have it (common/formats_torch.h).
+Fmt parse_fmt(std::string_view f) { return ppq::formats::parse_sr_or_throw(f, "master-free update"); }
+using ppq::formats::code_type;
 
 void check(const at::Tensor& t, const char* name, at::ScalarType dt, int64_t n) {
   TORCH_CHECK(t.scalar_type() == dt, name, " has dtype ", t.scalar_type(), "; needs ", dt);

@@ -31,7 +31,7 @@
 
 #include "avx2.h"
 #include "avx512.h"
-#include "common/formats.h"
+#include "common/formats_torch.h"
 #include "fp8.h"
 #include "isa.h"
 
@@ -51,7 +51,9 @@
 
 namespace {
 
-// The formats, their Q and packing: the table in common/formats.h (generated from deepspeed_ppq/formats.py).
+// The formats, their Q, packing, names and code dtypes: the table in common/formats.h (generated from
+// deepspeed_ppq/formats.py) and common/formats_torch.h.
+using ppq::formats::code_type;
 using ppq::formats::Fmt;
 using ppq::formats::packed4;
 using ppq::formats::per_tensor_scale;
@@ -67,22 +69,7 @@ struct Mid {
 };
 constexpr Mid kMid{};
 
-Fmt parse_fmt(std::string_view f) {
-  Fmt out = Fmt::I8;
-  TORCH_CHECK(ppq::formats::parse(f, &out), "fmt='", std::string(f), "' is not a weight format: use ",
-              ppq::formats::kAllowed);
-  return out;
-}
-
-at::ScalarType code_type(Fmt f) {
-  switch (f) {
-    case Fmt::I8: return at::kChar;
-    case Fmt::I4:
-    case Fmt::NF4: return at::kByte;
-    case Fmt::E4M3: return at::kFloat8_e4m3fn;
-    default: return at::kFloat8_e5m2;
-  }
-}
+Fmt parse_fmt(std::string_view f) { return ppq::formats::parse_or_throw(f); }
 
 inline uint32_t bits(float f) { return std::bit_cast<uint32_t>(f); }
 inline float from_bits(uint32_t u) { return std::bit_cast<float>(u); }

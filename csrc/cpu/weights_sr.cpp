@@ -33,6 +33,7 @@
 #include <torch/library.h>
 #include <c10/util/BFloat16.h>
 
+#include "common/formats_torch.h"
 #include "isa.h"
 
 #if PPQ_ISA_AVX512 || PPQ_ISA_AVX2
@@ -52,18 +53,13 @@ namespace {
 
 using ppq::sr::Fmt;
 
+using ppq::formats::code_type;
+
 Fmt parse_sr_fmt(std::string_view f) {
-  Fmt out = Fmt::I8;
-  TORCH_CHECK(ppq::formats::parse(f, &out) && ppq::formats::has_sr(out), "fmt='", std::string(f),
-              "' has no stochastic-rounding quantizer: use ", ppq::formats::kAllowedSR);
-  return out;
+  return ppq::formats::parse_sr_or_throw(f, "stochastic-rounding quantizer");
 }
 
 inline int threads() { return std::max(1, at::get_num_threads()); }
-
-at::ScalarType sr_code_type(Fmt f) {
-  return f == Fmt::I8 ? at::kChar : f == Fmt::E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
-}
 
 void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B, int64_t seed, int64_t offset,
                             at::Tensor& codes, at::Tensor& scales) {
@@ -78,8 +74,8 @@ void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B
   const int64_t n = x.numel();
   TORCH_CHECK(n > 0, "x is empty");
   const int64_t nb = (n + B - 1) / B;
-  TORCH_CHECK(codes.scalar_type() == sr_code_type(f) && codes.is_contiguous() && codes.numel() == n,
-              "codes must be a contiguous ", sr_code_type(f), " tensor of ", n, " elements, got ",
+  TORCH_CHECK(codes.scalar_type() == code_type(f) && codes.is_contiguous() && codes.numel() == n,
+              "codes must be a contiguous ", code_type(f), " tensor of ", n, " elements, got ",
               codes.scalar_type(), " with ", codes.numel());
   TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16,
               "scales has dtype ", scales.scalar_type(), "; allowed: Float or BFloat16");

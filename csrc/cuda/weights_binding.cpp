@@ -10,29 +10,18 @@
 #include <string_view>
 
 #include "binding.h"
+#include "common/formats_torch.h"
 
 namespace {
 
-// The formats, their packing and per-tensor scales: common/formats.h (from deepspeed_ppq/formats.py).
+// The formats, their names, code dtypes, packing and per-tensor scales: common/formats.h (generated from
+// deepspeed_ppq/formats.py) and common/formats_torch.h, as the CPU kernels.
+using ppq::formats::code_type;
 using ppq::formats::Fmt;
 using ppq::formats::packed4;
 using ppq::formats::per_tensor_scale;
 
-Fmt parse_fmt(std::string_view f) {
-  Fmt out = Fmt::I8;
-  TORCH_CHECK(ppq::formats::parse(f, &out), "fmt='", std::string(f), "' is not a weight format: use ",
-              ppq::formats::kAllowed);
-  return out;
-}
-at::ScalarType code_type(Fmt f) {
-  switch (f) {
-    case Fmt::I8: return at::kChar;
-    case Fmt::I4:
-    case Fmt::NF4: return at::kByte;
-    case Fmt::E4M3: return at::kFloat8_e4m3fn;
-    default: return at::kFloat8_e5m2;
-  }
-}
+Fmt parse_fmt(std::string_view f) { return ppq::formats::parse_or_throw(f); }
 int64_t nblocks(int64_t n, int64_t B) { return std::max<int64_t>(1, (n + B - 1) / B); }
 int64_t ncodes(Fmt f, int64_t n) { return packed4(f) ? (n + 1) / 2 : n; }
 

@@ -8,20 +8,16 @@
 #include <string_view>
 
 #include "binding.h"
+#include "common/formats_torch.h"
 
 namespace {
 
-// The formats with a stochastic-rounding quantizer: common/formats.h (from deepspeed_ppq/formats.py).
+// The formats with a stochastic-rounding quantizer and their code dtypes: common/formats_torch.h.
+using ppq::formats::code_type;
 using ppq::formats::Fmt;
 
 Fmt parse_sr_fmt(std::string_view f) {
-  Fmt out = Fmt::I8;
-  TORCH_CHECK(ppq::formats::parse(f, &out) && ppq::formats::has_sr(out), "fmt='", std::string(f),
-              "' has no stochastic-rounding quantizer: use ", ppq::formats::kAllowedSR);
-  return out;
-}
-at::ScalarType sr_code_type(Fmt f) {
-  return f == Fmt::I8 ? at::kChar : f == Fmt::E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+  return ppq::formats::parse_sr_or_throw(f, "stochastic-rounding quantizer");
 }
 
 void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B, int64_t seed, int64_t offset,
@@ -37,9 +33,9 @@ void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B
   const int64_t n = x.numel();
   TORCH_CHECK(n > 0, "x is empty");
   const int64_t nb = (n + B - 1) / B;
-  TORCH_CHECK(codes.scalar_type() == sr_code_type(f) && codes.is_contiguous() && codes.is_cuda() &&
+  TORCH_CHECK(codes.scalar_type() == code_type(f) && codes.is_contiguous() && codes.is_cuda() &&
                   codes.numel() == n,
-              "codes must be a contiguous CUDA ", sr_code_type(f), " tensor of ", n, " elements, got ",
+              "codes must be a contiguous CUDA ", code_type(f), " tensor of ", n, " elements, got ",
               codes.scalar_type(), " with ", codes.numel());
   TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16, "scales has dtype ",
               scales.scalar_type(), "; allowed: Float or BFloat16");
