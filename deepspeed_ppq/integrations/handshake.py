@@ -1,10 +1,21 @@
 """Start-up agreement between adjacent pipeline stages (a mixin of ``PPQPipelineEngine``).
 
-Each stage sends its neighbours what both sides of a boundary must agree on -- the codec settings
-(``ppq.*``) and the partition (``pipeline.*``: boundaries, layer and stage count) -- as JSON with a length
-prefix, and compares (SHA-256 first). On any difference both sides stop with ``CodecMismatchError``
-naming each field and both values: before this, ranks built with different boundaries trained a wrong
-model silently.
+Each stage sends its neighbours what both sides of a boundary must agree on, as JSON with a length
+prefix, and compares (SHA-256 first):
+
+* ``ppq.*``: the codec settings (each boundary tensor's codec, warm-ups, AQ-SGD, the non-finite policy);
+* ``boundary.dtype``: the dtype the engine computes, hence sends, every boundary tensor in (``fp32``,
+  ``bf16``, ``fp16``). The shapes travel in DeepSpeed's own tensor meta on the first send, and the
+  receiver allocates from the sender's, so they cannot disagree;
+* ``pipeline.*``: the partition (boundaries, layer and stage count);
+* ``weights.*``: the precision policy in force (format, rules, kept blocks, block size, scale dtype,
+  double quantization, ...): it decides each Linear's format over the whole model ("the first N blocks"
+  are global), so a stage built with another policy computes another model;
+* ``plan.fingerprint``: the tuned plan the stage was built from (``plan_fingerprint``), or ``None``.
+
+On any difference both sides stop with ``CodecMismatchError`` naming each field and both values: before
+this, ranks built with different boundaries trained a wrong model silently. ``integrations.codec_state``
+saves the same settings with each checkpoint and compares them on resume.
 """
 
 from __future__ import annotations
@@ -16,8 +27,10 @@ import torch
 from deepspeed.runtime.pipe import p2p
 
 from deepspeed_ppq.compress import codec_settings
+from deepspeed_ppq.config import WeightsConfig
 
-__all__ = ["CodecMismatchError", "codec_settings", "flatten_settings", "HandshakeMixin"]
+__all__ = ["CodecMismatchError", "codec_settings", "flatten_settings", "plan_fingerprint", "weight_settings",
+           "HandshakeMixin"]
 
 
 class CodecMismatchError(RuntimeError):
@@ -35,17 +48,37 @@ def flatten_settings(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def plan_fingerprint(plan) -> str | None:
+    """A digest of a tuned ``Plan`` (every field, as its file holds them); ``None`` without a plan."""
+    if plan is None:
+        return None
+    return hashlib.sha256(json.dumps(plan.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def weight_settings(module, cfg) -> dict:
+    """The precision policy in force on ``module``: the ``weights=`` a ``PPQPipelineModule`` was built with
+    when they convert anything, else the config's ``ppq.weights`` (which ``initialize`` applies), as JSON."""
+    w = getattr(module, "ppq_weights", None)
+    if isinstance(w, dict):
+        w = WeightsConfig.model_validate(w)
+    if w is None or (w.format.value == "none" and not w.rules):
+        w = cfg.weights
+    return w.model_dump(mode="json")
+
+
 class HandshakeMixin:
     """``_handshake`` for ``PPQPipelineEngine`` (uses its ``ppq``, ``module``, stage ids)."""
 
     def _agreed_settings(self) -> dict:
-        """What both sides of a boundary must agree on: the codec settings (``ppq.*``) and the partition
-        (``pipeline.*``: boundaries, layer and stage count), so ranks built differently stop at start-up
-        instead of computing a wrong model."""
+        """What both sides of a boundary must agree on (see the module docstring), so ranks built
+        differently stop at start-up instead of computing a wrong model."""
         parts = [int(p) for p in getattr(self.module, "parts", [])]
-        return {"ppq": codec_settings(self.ppq),
+        dtype = "fp16" if self.fp16_enabled() else "bf16" if self.bfloat16_enabled() else "fp32"
+        return {"ppq": codec_settings(self.ppq), "boundary": {"dtype": dtype},
                 "pipeline": {"parts": parts, "num_layers": len(getattr(self.module, "_layer_specs", [])),
-                             "num_stages": self.num_stages}}
+                             "num_stages": self.num_stages},
+                "weights": weight_settings(self.module, self.ppq),
+                "plan": {"fingerprint": plan_fingerprint(getattr(self.module, "ppq_plan", None))}}
 
     def _handshake(self) -> None:
         """Exchange the agreed settings with both neighbours; stop both sides on a mismatch."""
@@ -91,6 +124,7 @@ class HandshakeMixin:
                  for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
         lo, hi = sorted((self.stage_id, peer))
         return [f"settings differ across boundary {lo} (stage {lo} -> {hi}); every stage must be started "
-                "with the same ppq activations/gradients/aqsgd/warmup_steps/nonfinite settings and the same "
-                "partition (pipeline.parts: build every rank's module with the same layers and boundaries, "
-                "e.g. PPQPipelineModule.from_config with one config):\n  " + "\n  ".join(diffs)]
+                "with the same ppq activations/gradients/aqsgd/warmup_steps/nonfinite settings, precision "
+                "(fp16/bf16), partition and ppq.weights, and from the same plan file if any (build every "
+                "rank's module with the same layers from one config, e.g. PPQPipelineModule.from_config):"
+                "\n  " + "\n  ".join(diffs)]

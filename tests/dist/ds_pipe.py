@@ -152,6 +152,8 @@ def run_case(case: dict, world: int) -> dict:
                  "steps_per_print": 10**6, "ppq": case.get("ppq", {})}
     if isinstance(case.get("ppq_by_rank"), list):
         ds_config["ppq"] = case["ppq_by_rank"][dist.get_rank()]
+    if case.get("bf16_by_rank", [False] * world)[dist.get_rank()]:
+        ds_config["bf16"] = {"enabled": True}
     layers = make_layers(tuple_act, case.get("wide", False))
     if case.get("partition_method"):
         module = PipelineModule(layers, num_stages=world, partition_method=case["partition_method"],
@@ -159,7 +161,8 @@ def run_case(case: dict, world: int) -> dict:
     elif case.get("from_config"):
         module = PPQPipelineModule.from_config(layers, world, ds_config, loss_fn=loss_fn)
     else:
-        module = PPQPipelineModule(layers, num_stages=world, boundaries=cuts, loss_fn=loss_fn)
+        module = PPQPipelineModule(layers, num_stages=world, boundaries=cuts, loss_fn=loss_fn,
+                                   weights=ds_config["ppq"].get("weights"))  # before the optimizer
     cuts = [int(p) for p in module.parts]
     opt = torch.optim.SGD(module.parameters(), lr=0.05)
     grads: list[dict] = []
