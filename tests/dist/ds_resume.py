@@ -31,7 +31,8 @@ MB, GAS = 2, 2
 def build(ppq: dict, boundaries=(0, 3, 7), optimizer: str = "adam"):
     cfg = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": GAS,
            "steps_per_print": 10**6, "ppq": ppq}
-    module = PPQPipelineModule(make_layers(), num_stages=2, boundaries=list(boundaries), loss_fn=loss_fn)
+    module = PPQPipelineModule(make_layers(), num_stages=2, boundaries=list(boundaries), loss_fn=loss_fn,
+                               weights=ppq.get("weights"))  # converted before the optimizer sees them
     opt = (torch.optim.Adam if optimizer == "adam" else torch.optim.SGD)(module.parameters(), lr=0.01)
     engine, *_ = deepspeed_ppq.initialize(model=module, optimizer=opt, config=cfg, sample_ids=True)
     return engine
@@ -81,7 +82,7 @@ def run_case(case: dict, work: str) -> dict:
 def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(1)
-    if sys.argv[1] == "save-golden":  # tests/golden/resume_v1 (see tests/golden/README.md)
+    if sys.argv[1] == "save-golden":  # tests/golden/resume_v<format> (see tests/golden/README.md)
         from test_reliability_resume import GOLDEN_PPQ, GOLDEN_STEPS
 
         engine = build(GOLDEN_PPQ)
