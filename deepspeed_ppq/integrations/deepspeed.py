@@ -26,10 +26,11 @@ layers with global block indices, chosen stages recompute their block layers, an
 ``QuantLinear`` compute copies are re-quantized after every optimizer step. Counters (``ppq_stats``)
 cover DeepSpeed's own uncompressed sends as well, so a baseline's bytes are measured.
 
-Start-up: adjacent stages exchange their codec settings and partition (``integrations.handshake``) and
-both stop naming the differing fields if they disagree. Non-finite values (``integrations.nonfinite``):
-with ``ppq.nonfinite="error"`` both sides of a boundary stop naming stage, boundary and step; with
-``"skip"`` every rank skips the step together and the codec state returns to where the step found it.
+Start-up: adjacent stages exchange their codec settings, boundary dtype, partition, precision policy and
+plan fingerprint (``integrations.handshake``) and both stop naming the differing fields if they disagree.
+Non-finite values (``integrations.nonfinite``): with ``ppq.nonfinite="error"`` both sides of a boundary
+stop naming stage, boundary and step; with ``"skip"`` every rank skips the step together and the codec
+state returns to where the step found it.
 Checkpoints carry each rank's codec state (``integrations.codec_state``).
 """
 
