@@ -157,27 +157,16 @@ def _cpp(x) -> str:
     return f"{x!r}f" if isinstance(x, float) else str(x)
 
 
-# (function, return type, value per row, comment) of each helper the header defines
-_HELPERS = (
-    ("bits", "int", lambda s: s.bits, "Bits per stored value."),
-    ("qmax", "float", lambda s: s.qmax,
-     "Q: the stored scale is absmax / Q; the largest magnitude a code stands for."),
-    ("packed4", "bool", lambda s: s.bits == 4,
-     "Two 4-bit codes per byte, the first value in the high nibble."),
-    ("is_fp8", "bool", lambda s: s.kind == "fp8", "Codes are fp8 numbers."),
-    ("per_tensor_scale", "bool", lambda s: s.per_tensor_scale,
-     "May keep one scale for the whole tensor instead of one per block."),
-    ("has_sr", "bool", lambda s: s.stochastic_rounding, "Has a stochastic-rounding quantizer."),
-    ("max_code", "int", lambda s: s.max_code or 0,
-     "fp8: the largest finite code of magnitude at most qmax (0 for other formats)."),
+# The columns of the header's Row: (C++ type, field, value of a table row, comment).
+_ROW = (
+    ("int", "bits", lambda s: s.bits, "bits per stored value"),
+    ("float", "qmax", lambda s: s.qmax, "Q: the stored scale is absmax / Q; the largest magnitude of a code"),
+    ("bool", "packed4", lambda s: s.bits == 4, "two 4-bit codes per byte, the first in the high nibble"),
+    ("bool", "is_fp8", lambda s: s.kind == "fp8", "codes are fp8 numbers"),
+    ("bool", "per_tensor_scale", lambda s: s.per_tensor_scale, "may keep one scale for the whole tensor"),
+    ("bool", "has_sr", lambda s: s.stochastic_rounding, "has a stochastic-rounding quantizer"),
+    ("int", "max_code", lambda s: s.max_code or 0, "fp8: the largest finite code <= qmax (0 otherwise)"),
 )
-
-
-def _switch(fn: str, ret: str, value, doc: str) -> list[str]:
-    zero = {"int": "0", "float": "0.0f", "bool": "false"}[ret]
-    lines = [f"// {doc}", f"PPQ_FMT_HD constexpr {ret} {fn}(Fmt f) {{", "  switch (f) {"]
-    lines += [f"    case Fmt::{s.cpp_name}: return {_cpp(value(s))};" for s in FORMATS]
-    return lines + ["  }", f"  return {zero};", "}", ""]
 
 
 def cpp_header() -> str:
@@ -224,8 +213,13 @@ def cpp_header() -> str:
         "}",
         "",
     ]
-    for helper in _HELPERS:
-        out += _switch(*helper)
+    out += ["// One row per format, as the table's.", "struct Row {"]
+    out += [f"  {t} {f};  // {doc}" for t, f, _, doc in _ROW] + ["};", ""]
+    out += ["PPQ_FMT_HD constexpr Row row(Fmt f) {", "  switch (f) {"]
+    out += [f"    case Fmt::{s.cpp_name}: return {{{', '.join(_cpp(v(s)) for _, _, v, _ in _ROW)}}};"
+            for s in FORMATS]
+    out += ["  }", "  return {};", "}", ""]
+    out += [f"PPQ_FMT_HD constexpr {t} {f}(Fmt f) {{ return row(f).{f}; }}" for t, f, _, _ in _ROW] + [""]
     out += ["}  // namespace ppq::formats", ""]
     for s in FORMATS:
         if s.code_map is not None:

@@ -32,11 +32,13 @@ def _header() -> str:
     return HEADER.read_text()
 
 
-def _switch(text: str, fn: str) -> dict[str, str]:
-    """``case Fmt::X: return V;`` of the header's helper ``fn`` -> {X: V}."""
-    m = re.search(rf"constexpr \w+ {fn}\(Fmt f\) \{{(.*?)\n\}}", text, re.S)
-    assert m, f"csrc/common/formats.h has no helper {fn}(Fmt)"
-    return dict(re.findall(r"case Fmt::(\w+): return ([^;]+);", m.group(1)))
+def _rows(text: str) -> dict[str, dict[str, str]]:
+    """The header's ``struct Row`` fields and ``case Fmt::X: return {...};`` rows -> {X: {field: value}}."""
+    struct = re.search(r"struct Row \{(.*?)\};", text, re.S)
+    assert struct, "csrc/common/formats.h has no `struct Row`"
+    fields = re.findall(r"^\s*\w+ (\w+);", struct.group(1), re.M)
+    rows = re.findall(r"case Fmt::(\w+): return \{([^}]*)\};", text)
+    return {name: dict(zip(fields, (v.strip() for v in values.split(",")))) for name, values in rows}
 
 
 def test_header_is_generated_from_the_table():
@@ -49,17 +51,20 @@ def test_header_codes_names_and_helpers_match_each_row():
     assert enum, "csrc/common/formats.h declares no `enum class Fmt : int { ... }`"
     codes = {k: int(v) for k, v in re.findall(r"(\w+) = (\d+)", enum.group(1))}
     names = re.findall(r'"(\w+)"', re.search(r"kNames\[kNumFormats\] = \{([^}]*)\}", text).group(1))
-    qmax, bits = _switch(text, "qmax"), _switch(text, "bits")
-    has_sr, fp8 = _switch(text, "has_sr"), _switch(text, "is_fp8")
-    assert len(codes) == len(names) == len(FORMATS), (codes, names)
+    rows = _rows(text)
+    assert len(codes) == len(names) == len(rows) == len(FORMATS), (codes, names, list(rows))
     for s in FORMATS:
         where = f"format {s.name} (csrc/common/formats.h; `{REGENERATE}`)"
         assert codes.get(s.cpp_name) == s.code, f"{where}: Fmt::{s.cpp_name} = {codes.get(s.cpp_name)}"
         assert names[s.code] == s.name, f"{where}: kNames[{s.code}] = {names[s.code]!r}"
-        assert float(qmax[s.cpp_name].rstrip("f")) == s.qmax, f"{where}: qmax {qmax[s.cpp_name]}"
-        assert int(bits[s.cpp_name]) == s.bits, f"{where}: bits {bits[s.cpp_name]}"
-        assert has_sr[s.cpp_name] == str(s.stochastic_rounding).lower(), f"{where}: has_sr"
-        assert fp8[s.cpp_name] == str(s.kind == "fp8").lower(), f"{where}: is_fp8"
+        row = rows[s.cpp_name]
+        want = {"bits": s.bits, "qmax": s.qmax, "packed4": s.packed, "is_fp8": s.kind == "fp8",
+                "per_tensor_scale": s.per_tensor_scale, "has_sr": s.stochastic_rounding,
+                "max_code": s.max_code or 0}
+        got = {"bits": int(row["bits"]), "qmax": float(row["qmax"].rstrip("f")),
+               "max_code": int(row["max_code"]),
+               **{k: row[k] == "true" for k in ("packed4", "is_fp8", "per_tensor_scale", "has_sr")}}
+        assert got == want, f"{where}: row {got}, table {want}"
 
 
 def test_python_lookups_read_the_table():

@@ -36,89 +36,35 @@ inline bool parse(std::string_view name, Fmt* out) {
   return false;
 }
 
-// Bits per stored value.
-PPQ_FMT_HD constexpr int bits(Fmt f) {
+// One row per format, as the table's.
+struct Row {
+  int bits;  // bits per stored value
+  float qmax;  // Q: the stored scale is absmax / Q; the largest magnitude of a code
+  bool packed4;  // two 4-bit codes per byte, the first in the high nibble
+  bool is_fp8;  // codes are fp8 numbers
+  bool per_tensor_scale;  // may keep one scale for the whole tensor
+  bool has_sr;  // has a stochastic-rounding quantizer
+  int max_code;  // fp8: the largest finite code <= qmax (0 otherwise)
+};
+
+PPQ_FMT_HD constexpr Row row(Fmt f) {
   switch (f) {
-    case Fmt::I8: return 8;
-    case Fmt::I4: return 4;
-    case Fmt::NF4: return 4;
-    case Fmt::E4M3: return 8;
-    case Fmt::E5M2: return 8;
+    case Fmt::I8: return {8, 127.0f, false, false, false, true, 0};
+    case Fmt::I4: return {4, 7.0f, true, false, false, false, 0};
+    case Fmt::NF4: return {4, 1.0f, true, false, false, false, 0};
+    case Fmt::E4M3: return {8, 448.0f, false, true, true, true, 126};
+    case Fmt::E5M2: return {8, 57344.0f, false, true, true, true, 123};
   }
-  return 0;
+  return {};
 }
 
-// Q: the stored scale is absmax / Q; the largest magnitude a code stands for.
-PPQ_FMT_HD constexpr float qmax(Fmt f) {
-  switch (f) {
-    case Fmt::I8: return 127.0f;
-    case Fmt::I4: return 7.0f;
-    case Fmt::NF4: return 1.0f;
-    case Fmt::E4M3: return 448.0f;
-    case Fmt::E5M2: return 57344.0f;
-  }
-  return 0.0f;
-}
-
-// Two 4-bit codes per byte, the first value in the high nibble.
-PPQ_FMT_HD constexpr bool packed4(Fmt f) {
-  switch (f) {
-    case Fmt::I8: return false;
-    case Fmt::I4: return true;
-    case Fmt::NF4: return true;
-    case Fmt::E4M3: return false;
-    case Fmt::E5M2: return false;
-  }
-  return false;
-}
-
-// Codes are fp8 numbers.
-PPQ_FMT_HD constexpr bool is_fp8(Fmt f) {
-  switch (f) {
-    case Fmt::I8: return false;
-    case Fmt::I4: return false;
-    case Fmt::NF4: return false;
-    case Fmt::E4M3: return true;
-    case Fmt::E5M2: return true;
-  }
-  return false;
-}
-
-// May keep one scale for the whole tensor instead of one per block.
-PPQ_FMT_HD constexpr bool per_tensor_scale(Fmt f) {
-  switch (f) {
-    case Fmt::I8: return false;
-    case Fmt::I4: return false;
-    case Fmt::NF4: return false;
-    case Fmt::E4M3: return true;
-    case Fmt::E5M2: return true;
-  }
-  return false;
-}
-
-// Has a stochastic-rounding quantizer.
-PPQ_FMT_HD constexpr bool has_sr(Fmt f) {
-  switch (f) {
-    case Fmt::I8: return true;
-    case Fmt::I4: return false;
-    case Fmt::NF4: return false;
-    case Fmt::E4M3: return true;
-    case Fmt::E5M2: return true;
-  }
-  return false;
-}
-
-// fp8: the largest finite code of magnitude at most qmax (0 for other formats).
-PPQ_FMT_HD constexpr int max_code(Fmt f) {
-  switch (f) {
-    case Fmt::I8: return 0;
-    case Fmt::I4: return 0;
-    case Fmt::NF4: return 0;
-    case Fmt::E4M3: return 126;
-    case Fmt::E5M2: return 123;
-  }
-  return 0;
-}
+PPQ_FMT_HD constexpr int bits(Fmt f) { return row(f).bits; }
+PPQ_FMT_HD constexpr float qmax(Fmt f) { return row(f).qmax; }
+PPQ_FMT_HD constexpr bool packed4(Fmt f) { return row(f).packed4; }
+PPQ_FMT_HD constexpr bool is_fp8(Fmt f) { return row(f).is_fp8; }
+PPQ_FMT_HD constexpr bool per_tensor_scale(Fmt f) { return row(f).per_tensor_scale; }
+PPQ_FMT_HD constexpr bool has_sr(Fmt f) { return row(f).has_sr; }
+PPQ_FMT_HD constexpr int max_code(Fmt f) { return row(f).max_code; }
 
 }  // namespace ppq::formats
 
