@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from deepspeed_ppq.config import WeightsConfig
+from deepspeed_ppq.formats import WEIGHT_FORMATS
 from deepspeed_ppq.models.gpt import GPT, GPTConfig, gpt_loss, layer_kinds
 from deepspeed_ppq.quant import (
     ParamSpec,
@@ -29,7 +30,7 @@ CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=64, n_heads=2, n_layers=4)
 BLOCKS = [i for i, k in enumerate(layer_kinds(CFG)) if k == "block"]
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "nf4", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
 def test_weight_storage_bytes_equal_the_format_storage(fmt):
     shapes = [(7,), (33, 65), (64, 64), (3, 1000)]
     for shape, bs, sd, dq in itertools.product(shapes, [16, 64, 4096], ["fp32", "bf16"], [False, True]):

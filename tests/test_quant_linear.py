@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from deepspeed_ppq.config import WeightsConfig
+from deepspeed_ppq.formats import WEIGHT_FORMATS
 from deepspeed_ppq.models.gpt import GPT, GPTConfig, gpt_layers, gpt_loss, layer_kinds
 from deepspeed_ppq.quant import (
     QuantLinear,
@@ -31,7 +32,7 @@ from deepspeed_ppq.quant import (
 )
 from deepspeed_ppq.quant.ledger import ledger_from_model
 
-FORMATS = ["int8", "int4", "nf4", "fp8_e4m3", "fp8_e5m2"]
+FORMATS = list(WEIGHT_FORMATS)
 
 
 def _layer(fmt, mode="train", in_f=70, out_f=45, bias=True, **cfg):
