@@ -38,9 +38,10 @@ CASES = [
 ]
 
 
-def _plan(note: str) -> Plan:
+def _plan(note: str, recompute_first: bool) -> Plan:
     """A plan for ds_pipe.py's model on 2 ranks at its own boundaries [0, 4, 7]; plans that differ in
-    their notes only (nothing else the handshake compares)."""
+    stage 0's recomputation only (nothing else the handshake compares) or in their notes only (the same
+    plan, as each rank's planner writes it)."""
     import sys
 
     sys.path.insert(0, str(ROOT / "tests" / "dist"))
@@ -50,7 +51,7 @@ def _plan(note: str) -> Plan:
 
     layers = make_layers(False)
     return Plan(world_size=2, pipeline_degree=2, micro_batch_size=2, num_microbatches=2, schedule="1f1b",
-                stages=[StagePlan((0, 4), ["none"] * 4), StagePlan((4, 7), ["none"] * 3)],
+                stages=[StagePlan((0, 4), ["none"] * 4, recompute_first), StagePlan((4, 7), ["none"] * 3)],
                 layer_names=[layer_name(x) for x in layers], notes=[note],
                 model_fingerprint=model_fingerprint(layers))
 
@@ -60,10 +61,15 @@ def plans(tmp_path_factory):
     work = tmp_path_factory.mktemp("plans")
     out = []
     for rank in (0, 1):
-        plan = _plan(f"tuned on node {rank}")
+        plan = _plan(f"tuned on node {rank}", recompute_first=rank == 0)
         plan.save(work / f"plan{rank}.json")
         out.append((str(work / f"plan{rank}.json"), plan_fingerprint(plan)))
     return out
+
+
+def test_plans_that_differ_in_their_notes_only_run_the_same():
+    assert plan_fingerprint(_plan("tuned on node 0", False)) == plan_fingerprint(_plan("node 1", False))
+    assert plan_fingerprint(_plan("x", False)) != plan_fingerprint(_plan("x", True))
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +111,7 @@ def test_ranks_given_other_plan_files_stop_naming_the_fingerprints(results, plan
         err = res["plan"]["error"]
         assert err.startswith("CodecMismatchError"), (rank, err)
         lines = [line.strip() for line in err.splitlines()]
-        # the plans differ in their notes only: the fingerprint is the one field that tells
+        # the plans differ in stage 0's recomputation only: the fingerprint is the one field that tells
         assert f"plan.fingerprint: stage {rank} has {plans[rank][1]!r}, stage {1 - rank} has " \
                f"{plans[1 - rank][1]!r}" in lines, (rank, err)
         assert not [line for line in lines if ": stage " in line and not line.startswith("plan.")], err

@@ -49,10 +49,15 @@ def flatten_settings(d: dict, prefix: str = "") -> dict:
 
 
 def plan_fingerprint(plan) -> str | None:
-    """A digest of a tuned ``Plan`` (every field, as its file holds them); ``None`` without a plan."""
+    """A digest of what a tuned ``Plan`` runs: the model it was made for, the world size, schedule,
+    batch sizes, recomputation per stage and the ``"ppq"`` section (partition, weights, optimizer
+    states, codecs); its notes, predictions and measurements leave it unchanged (ranks that planned
+    the same plan time their planning differently). ``None`` without a plan."""
     if plan is None:
         return None
-    return hashlib.sha256(json.dumps(plan.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+    runs = {"model": plan.model_fingerprint.get("digest"), "world_size": plan.world_size,
+            "schedule": plan.schedule, "deepspeed": plan.deepspeed_config()}
+    return hashlib.sha256(json.dumps(runs, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def weight_settings(module, cfg) -> dict:
