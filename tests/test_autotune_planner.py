@@ -437,11 +437,10 @@ def test_ladder_spends_freed_memory_on_fewer_stages():
     counts = [layer.params for layer in prob.layers]
     partitions = {p: {"parameters": deepspeed_partitions(counts, p)["parameters"]} for p in (1, 2)}
     base = best_stock(prob, {2: partitions[2]})
-    k = _knobs(1, 2, 2, optimizer_8bit=True)
-    tuned_stages = solve_partition(prob, k)[1]
-    from deepspeed_ppq.autotune.planner import _to_plan
-
-    tuned = _to_plan(prob, k, tuned_stages, evaluate_stages(prob, k, tuned_stages), ["tuned"])
+    # the plan on one stage (the other rank data parallel): micro-batch 2, 8-bit Adam
+    tuned = plan_pipeline(_problem(3, 6, world_size=2, global_batch=8, pipeline_degrees=[1],
+                                   micro_batch_sizes=[2], optimizer_8bit=[True]))
+    assert tuned.pipeline_degree == 1 and tuned.optimizer_8bit
     rungs = ladder_plans(prob, base, tuned, partitions)
     labels = [label for label, _ in rungs]
     assert labels[0].startswith("+ low-bit weights")
