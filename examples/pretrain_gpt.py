@@ -3,8 +3,8 @@
 
     python examples/pretrain_gpt.py --n-layers 12 --d-model 256 --seq-len 32 --steps 400 --out gpt.pt
 
-The text is the stdlib corpus of ``deepspeed_ppq.data`` (the first ``--max-bytes``); AdamW with a
-linear warm-up and cosine decay. Prints the validation loss before and after.
+The text is the stdlib corpus of ``stdlib_text.py`` beside this script (the first ``--max-bytes``);
+AdamW with a linear warm-up and cosine decay. Prints the validation loss before and after.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import torch
+from stdlib_text import build_token_datasets
 
-from deepspeed_ppq.data import build_token_datasets
 from deepspeed_ppq.models.gpt import GPT, GPTConfig, gpt_loss
 
 

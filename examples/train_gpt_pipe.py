@@ -115,11 +115,11 @@ def main() -> None:
     cfg = GPTConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, d_model=args.d_model,
                     n_heads=args.n_heads, n_layers=args.n_layers)
     if args.finetune:
-        from deepspeed_ppq.data import build_finetune_datasets
+        from stdlib_text import build_finetune_datasets
 
         train, _, _ = build_finetune_datasets(cfg.seq_len, cfg.vocab_size, args.max_bytes)
     elif args.data == "text":
-        from deepspeed_ppq.data import build_token_datasets
+        from stdlib_text import build_token_datasets
 
         train, _, _ = build_token_datasets(cfg.seq_len, cfg.vocab_size, args.max_bytes)
     else:

@@ -5,7 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+TESTS = Path(__file__).resolve().parent
+# importable by every test: tests/ (dist_utils, fake_slurm) and examples/ (stdlib_text, the examples' text)
+sys.path[:0] = [str(TESTS), str(TESTS.parent / "examples")]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 

@@ -21,8 +21,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("deepspeed_ppq.formats", "deepspeed_ppq.memory_categories"),  # tables and names: no torch, no package
     ("deepspeed_ppq.config",),
     ("deepspeed_ppq.ops",),
-    ("deepspeed_ppq.quant", "deepspeed_ppq.compress", "deepspeed_ppq.schedule", "deepspeed_ppq.models",
-     "deepspeed_ppq.data"),
+    ("deepspeed_ppq.quant", "deepspeed_ppq.compress", "deepspeed_ppq.schedule", "deepspeed_ppq.models"),
     ("deepspeed_ppq.autotune",),
     ("deepspeed_ppq.integrations", "megatron_patches", "deepspeed_ppq.report", "deepspeed_ppq.cli"),
 ]

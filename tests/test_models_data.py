@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 import torch
+from stdlib_text import BPETokenizer, TokenDataset, build_token_datasets, load_corpus
 
-from deepspeed_ppq.data import BPETokenizer, TokenDataset, build_token_datasets, load_corpus
 from deepspeed_ppq.models import GPT, GPTConfig, gpt_layers, gpt_loss, layer_kinds
 
 

@@ -129,7 +129,7 @@ TOLERANCE = 0.01  # the autotuner's default val_loss_tolerance
 
 @pytest.fixture(scope="module")
 def gpt_data():
-    from deepspeed_ppq.data import build_token_datasets
+    from stdlib_text import build_token_datasets
 
     train, val, _ = build_token_datasets(seq_len=SEQ, vocab_size=300, max_bytes=200_000)
     n = min(VAL, len(val))

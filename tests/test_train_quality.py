@@ -1,5 +1,5 @@
 """A small GPT trained with int8 and NF4 weight storage ends within 2% of the fp32 model's validation
-loss on the same data, steps and seed (stdlib text, locally trained BPE: ``deepspeed_ppq.data``).
+loss on the same data, steps and seed (stdlib text, locally trained BPE: ``examples/stdlib_text.py``).
 
 Every transformer block is low-bit here (``keep_first_blocks = keep_last_blocks = 0``); the
 embeddings, norms and the LM head stay fp32 as the policy's defaults say. The compute copies are
@@ -17,9 +17,9 @@ import math
 
 import pytest
 import torch
+from stdlib_text import build_token_datasets
 
 from deepspeed_ppq.config import WeightsConfig
-from deepspeed_ppq.data import build_token_datasets
 from deepspeed_ppq.models.gpt import GPT, GPTConfig, gpt_loss, layer_kinds
 from deepspeed_ppq.quant import (
     QuantLinear,

@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "examples" / "demo"))
+sys.path[:0] = [str(ROOT / "examples" / "demo"), str(ROOT / "examples")]  # workloads, stdlib_text
 
 from _harness import RESULTS, loadavg, machine, machine_line, write_report  # noqa: E402
 from workloads import SCRIPT, ds_config, script_args, settings  # noqa: E402

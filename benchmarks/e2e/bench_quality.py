@@ -49,11 +49,12 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # quality_cnn
+# quality_cnn beside this file, the examples' text (examples/stdlib_text.py), the package
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "examples"), str(ROOT)]
+
+from stdlib_text import TokenDataset, build_token_datasets, finetune_texts  # noqa: E402
 
 from deepspeed_ppq.config import AQSGDConfig, CodecConfig, PPQConfig  # noqa: E402
-from deepspeed_ppq.data import TokenDataset, build_token_datasets, load_corpus  # noqa: E402
 from deepspeed_ppq.models import GPTConfig, gpt_layers, gpt_loss  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -296,27 +297,14 @@ def run_case(case: Case, args: dict, setting: str = "scratch") -> dict:
     return out
 
 
-def finetune_texts(args: dict) -> tuple[str, str]:
-    """(train, validation) text of the fine-tuning domain: stdlib files past the pretraining text.
-
-    The pretraining text is the first ``--max-bytes`` of the sorted stdlib files; the next
-    ``--ft-skip-bytes`` are skipped (the rest of the package the pretraining text ends in) and the
-    following ``--ft-bytes`` are the fine-tuning files, split by file like the pretraining text.
-    """
-    start = args["max_bytes"] + args["ft_skip_bytes"]
-    tr0, va0 = load_corpus(start)
-    tr1, va1 = load_corpus(start + args["ft_bytes"])
-    if not (tr1.startswith(tr0) and va1.startswith(va0)) or len(va1) <= len(va0) + 1:
-        raise SystemExit(f"--ft-bytes={args['ft_bytes']}: the stdlib has no held-out files past byte "
-                         f"{start}; lower --max-bytes/--ft-skip-bytes or raise --ft-bytes")
-    return tr1[len(tr0) + 1:], va1[len(va0) + 1:]
-
-
 def prepare_finetune(args: dict, workdir: Path) -> None:
     """Encode the fine-tuning files with the pretraining tokenizer into ``workdir`` (read by the workers)."""
     _, _, tok = build_token_datasets(seq_len=args["seq_len"], vocab_size=args["vocab"],
                                      max_bytes=args["max_bytes"])
-    train_text, val_text = finetune_texts(args)
+    try:  # the stdlib files past the pretraining text (--max-bytes), skipping --ft-skip-bytes
+        train_text, val_text = finetune_texts(args["max_bytes"], args["ft_skip_bytes"], args["ft_bytes"])
+    except ValueError as e:
+        raise SystemExit(f"{e} (--max-bytes, --ft-skip-bytes, --ft-bytes)") from None
     data = {"train": torch.from_numpy(tok.encode(train_text)), "val": torch.from_numpy(tok.encode(val_text))}
     args["ft_data"] = str(workdir / "finetune_tokens.pt")
     args["ckpt"] = str(workdir / "pretrained.pt")

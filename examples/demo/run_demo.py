@@ -25,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # workloads; examples/ (stdlib_text)
 
 from workloads import ROOT, SCRIPT, WORKLOADS, ds_config, script_args, settings  # noqa: E402
 

@@ -89,7 +89,7 @@ def pretrained(w: Workload, log: Path | None = None) -> Path | None:
     data cache (``PPQ_CACHE_DIR``); None for a workload trained from scratch."""
     if not w.pretrain_steps:
         return None
-    from deepspeed_ppq.data import cache_dir
+    from stdlib_text import cache_dir  # examples/stdlib_text.py (run_demo puts examples/ on sys.path)
 
     args = [*w.model, "--steps", str(w.pretrain_steps)]
     key = hashlib.sha256(json.dumps(args).encode()).hexdigest()[:12]

@@ -1,4 +1,4 @@
-"""Real text that is on every machine: the Python standard library's own source files.
+"""The examples' text, on every machine: the Python standard library's own source files.
 
 Nothing is downloaded. The corpus is the ``.py`` files under ``sysconfig``'s stdlib path (tests and
 site-packages left out), in sorted order; every 10th file goes to validation, so the split is by
@@ -7,6 +7,10 @@ document and deterministic. A byte-level BPE tokenizer is trained on the trainin
 
 Fine-tuning text (``build_finetune_datasets``) is another domain of the same source: the stdlib files
 past the pretraining text, encoded with the pretraining tokenizer.
+
+The example scripts import this module as ``stdlib_text``: their folder is on ``sys.path`` when they run
+(directly, under the ``deepspeed`` launcher or under ``ppq tune``). The demo, the tests and the quality
+benchmark put ``examples/`` on ``sys.path`` themselves.
 """
 
 from __future__ import annotations
