@@ -16,10 +16,10 @@ __all__ = ["main"]
 # name -> (module, "add_parser" function). The function takes the subparsers object, adds its
 # parser and sets ``func`` (called with the parsed args, returns an exit code).
 _SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "report": ("deepspeed_ppq.report", "add_parser"),
+    "report": ("deepspeed_ppq.env_report", "add_parser"),
     "simulate": ("deepspeed_ppq.schedule.cli", "add_parser"),
     "tune": ("deepspeed_ppq.integrations.tune_cli", "add_parser"),
-    "schema": ("deepspeed_ppq.report", "add_schema_parser"),
+    "schema": ("deepspeed_ppq.config", "add_schema_parser"),
 }
 
 

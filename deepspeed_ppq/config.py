@@ -43,6 +43,7 @@ __all__ = [
     "PPQConfigError",
     "load_ppq_config",
     "ppq_json_schema",
+    "add_schema_parser",
 ]
 
 
@@ -482,6 +483,12 @@ def load_ppq_config(source: PPQConfig | dict | str | None, root: str = "ppq") ->
 def ppq_json_schema() -> dict:
     """The JSON Schema of the ``"ppq"`` section (exported to ``configs/ppq.schema.json``)."""
     return PPQConfig.model_json_schema()
+
+
+def add_schema_parser(sub) -> None:
+    """``ppq schema``: print ``ppq_json_schema()`` (``sub``: the ``ppq`` command's subparsers)."""
+    p = sub.add_parser("schema", help="print the JSON Schema of the \"ppq\" config section")
+    p.set_defaults(func=lambda a: print(json.dumps(ppq_json_schema(), indent=2)) or 0)
 
 
 if __name__ == "__main__":

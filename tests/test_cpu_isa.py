@@ -79,7 +79,7 @@ def test_forced_path_loads_and_reports(isa):
     if _module_path(isa) is None:
         pytest.skip(f"deepspeed_ppq._C_{isa} is not built (PPQ_CPU_ISAS / PPQ_MARCH build)")
     code = (
-        "import deepspeed_ppq.ops as o; from deepspeed_ppq.report import collect_report as c; "
+        "import deepspeed_ppq.ops as o; from deepspeed_ppq.env_report import collect_report as c; "
         "print(o.cpu_isa(), c()['cpu_isa'])"
     )
     res = subprocess.run(

@@ -23,7 +23,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("deepspeed_ppq.ops",),
     ("deepspeed_ppq.quant", "deepspeed_ppq.compress", "deepspeed_ppq.schedule", "deepspeed_ppq.models"),
     ("deepspeed_ppq.autotune",),
-    ("deepspeed_ppq.integrations", "megatron_patches", "deepspeed_ppq.report", "deepspeed_ppq.cli"),
+    ("deepspeed_ppq.integrations", "megatron_patches", "deepspeed_ppq.env_report", "deepspeed_ppq.cli"),
 ]
 # The root package ``deepspeed_ppq`` is loaded by every import of a submodule and imports nothing when it
 # loads (its public names are lazy and reach the top floor): it is checked neither as importer nor target.

@@ -1,6 +1,6 @@
-"""``ppq report``: versions, which kernels are built for which device, and what is usable here
-(a GPU, Transformer Engine, bitsandbytes), like ``ds_report``. ``ppq schema`` prints the JSON
-Schema of the ``"ppq"`` config section."""
+"""The environment report behind ``ppq report`` (as DeepSpeed's ``ds_report``): versions, which kernels
+are built for which device, and what the machine it runs on can use (a GPU, Transformer Engine,
+bitsandbytes)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import platform
 
 import torch
 
-__all__ = ["collect_report", "format_report", "add_parser", "add_schema_parser"]
+__all__ = ["collect_report", "format_report", "add_parser"]
 
 
 def _version(mod: str) -> str:
@@ -96,10 +96,3 @@ def add_parser(sub) -> None:
     p = sub.add_parser("report", help="versions, built kernels and usable devices")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=lambda a: (_load_all_ops(), _report(a))[1])
-
-
-def add_schema_parser(sub) -> None:
-    from deepspeed_ppq.config import ppq_json_schema
-
-    p = sub.add_parser("schema", help="print the JSON Schema of the \"ppq\" config section")
-    p.set_defaults(func=lambda a: print(json.dumps(ppq_json_schema(), indent=2)) or 0)
