@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from deepspeed_ppq.autotune.costs import NO_CODEC, CodecOption, LayerProfile, LinkModel
+from deepspeed_ppq.autotune.costs import DEFAULT_LINK, NO_CODEC, CodecOption, LayerProfile
 from deepspeed_ppq.autotune.loop import TuningError, build_problem, default_micro_batch_sizes
 from deepspeed_ppq.autotune.runner import Profile
 from deepspeed_ppq.config import AutotuneConfig, PPQConfigError, load_ppq_config, parse_bytes
@@ -21,7 +21,7 @@ def _profile() -> Profile:
                          input_bytes=256, output_bytes=256)
     q6 = CodecOption.make({"method": "quant", "bits": 6}, wire_ratio=0.2, bits=6)
     q2 = CodecOption.make({"method": "quant", "bits": 2}, wire_ratio=0.07, bits=2)
-    return Profile(layers=[layer] * 4, codecs=[NO_CODEC, q6, q2], link=LinkModel(),
+    return Profile(layers=[layer] * 4, codecs=[NO_CODEC, q6, q2], link=DEFAULT_LINK,
                    optimizer_costs={"adam": 1e-9, "adam8bit": 2e-9}, step_transient_bytes_per_param=4.0)
 
 

@@ -8,7 +8,7 @@ from itertools import combinations, product
 
 import pytest
 
-from deepspeed_ppq.autotune.costs import CodecOption, LayerProfile, LinkModel, optimizer_bytes
+from deepspeed_ppq.autotune.costs import CodecOption, LayerProfile, optimizer_bytes
 from deepspeed_ppq.autotune.plan import PLAN_SCHEMA_VERSION, Plan, PlanError, load_plan
 from deepspeed_ppq.autotune.planner import (
     InfeasibleBudgetError,
@@ -21,6 +21,7 @@ from deepspeed_ppq.autotune.planner import (
     solve_partition,
     stage_levels,
 )
+from deepspeed_ppq.schedule import LinkModel
 
 FORMATS = {"none": 1.0, "int8": 0.25, "nf4": 0.14}
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _harness import machine, machine_line, write_report  # noqa: E402
 
-from deepspeed_ppq.autotune.costs import NO_CODEC, CodecOption, LayerProfile, LinkModel  # noqa: E402
+from deepspeed_ppq.autotune.costs import NO_CODEC, CodecOption, LayerProfile  # noqa: E402
 from deepspeed_ppq.autotune.planner import (  # noqa: E402
     Knobs,
     PlanningProblem,
@@ -33,6 +33,7 @@ from deepspeed_ppq.autotune.planner import (  # noqa: E402
     solve_partition,
 )
 from deepspeed_ppq.config import WeightFormat  # noqa: E402
+from deepspeed_ppq.schedule import LinkModel  # noqa: E402
 
 FLOPS = 1.0e11  # fp32 FLOP/s of one core of this CPU with AMX/AVX-512 (roofline, achievable ~50%)
 BW = 10e9  # bytes/s per core

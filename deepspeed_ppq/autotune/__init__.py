@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 import types
 
-from deepspeed_ppq.autotune.costs import CodecOption, LayerProfile, LinkModel
+from deepspeed_ppq.autotune.costs import CodecOption, LayerProfile
 from deepspeed_ppq.autotune.plan import PLAN_SCHEMA_VERSION, Plan, PlanError, StagePlan, load_plan
 from deepspeed_ppq.autotune.planner import (
     InfeasibleBudgetError,
@@ -29,6 +29,7 @@ from deepspeed_ppq.autotune.planner import (
     stock_candidates,
     stock_plan,
 )
+from deepspeed_ppq.schedule import LinkModel
 
 __all__ = [
     "Plan",

@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 
 from deepspeed_ppq.formats import MASTER_FREE_FORMATS
 from deepspeed_ppq.quant.optim import optimizer_state_bytes
+from deepspeed_ppq.schedule.simulator import LinkModel
 
 __all__ = [
     "LayerProfile",
     "CodecOption",
-    "LinkModel",
+    "DEFAULT_LINK",
     "optimizer_bytes",
     "interpolate_time",
     "NO_CODEC",
@@ -194,12 +195,5 @@ class CodecOption:
 NO_CODEC = CodecOption.make({"method": "none"})
 
 
-@dataclass(frozen=True)
-class LinkModel:
-    """Point-to-point link between adjacent stages: ``time = latency + bytes / bandwidth``."""
-
-    latency_s: float = 1e-4
-    bandwidth_Bps: float = 2.2e9
-
-    def time(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / self.bandwidth_Bps if nbytes > 0 else 0.0
+DEFAULT_LINK = LinkModel(latency_s=1e-4, bandwidth_Bps=2.2e9)
+"""The stage-to-stage link the planner assumes until the profiler measures one (``profiler.measure_link``)."""

@@ -35,15 +35,16 @@ from itertools import product
 import numpy as np
 
 from deepspeed_ppq.autotune.costs import (
+    DEFAULT_LINK,
     MASTER_FREE_FORMATS,
     NO_CODEC,
     CodecOption,
     LayerProfile,
-    LinkModel,
 )
 from deepspeed_ppq.autotune.memory import PREDICTED
 from deepspeed_ppq.autotune.plan import Plan, StagePlan
 from deepspeed_ppq.quant.optim import MIN_8BIT_SIZE
+from deepspeed_ppq.schedule import LinkModel
 
 __all__ = [
     "PlanningProblem",
@@ -117,7 +118,7 @@ class PlanningProblem:
     optimizer_8bit: list[bool] = field(default_factory=lambda: [False])
     master_free: list[bool] = field(default_factory=lambda: [False])
     allow_recompute: bool = True
-    link: LinkModel = field(default_factory=LinkModel)
+    link: LinkModel = DEFAULT_LINK
     optimizer_s_per_param: float = 0.0
     optimizer_cost_ratio: dict[str, float] = field(default_factory=dict)
     microbatch_overhead_s: float = 0.0
@@ -693,7 +694,6 @@ def simulate_plan(prob: PlanningProblem, plan: Plan) -> dict:
     Returns:
         ``{"step_time", "bubble_fraction", "idle": [per stage]}``.
     """
-    from deepspeed_ppq.schedule import LinkModel as SimLink
     from deepspeed_ppq.schedule import StageCost, build_schedule, simulate
 
     b, m = plan.micro_batch_size, plan.num_microbatches
@@ -732,7 +732,7 @@ def simulate_plan(prob: PlanningProblem, plan: Plan) -> dict:
                 )
             )
     sched = build_schedule("deepspeed" if plan.schedule == "1f1b" else plan.schedule, plan.pipeline_degree, m)
-    link = SimLink(latency_s=prob.link.latency_s, bandwidth_Bps=prob.link.bandwidth_Bps, overlap=False)
+    link = LinkModel(latency_s=prob.link.latency_s, bandwidth_Bps=prob.link.bandwidth_Bps, overlap=False)
     res = simulate(sched, costs, bbytes, link, codec_time=ctime)
     return {
         "step_time": res.step_time,

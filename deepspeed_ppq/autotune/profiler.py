@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from deepspeed_ppq.autotune.costs import CodecOption, LayerProfile, LinkModel
+from deepspeed_ppq.autotune.costs import DEFAULT_LINK, CodecOption, LayerProfile
+from deepspeed_ppq.schedule import LinkModel
 
 __all__ = [
     "profile_layers", "profile_codecs", "measure_link", "optimizer_costs", "profile_key", "load_cached",
@@ -389,16 +390,16 @@ def measure_link(
 
     Rank pairs (0, 1), (2, 3), ... measure each other; the fit ``time = latency + bytes / bandwidth``
     uses the median one-way time of each size. Without ``torch.distributed`` initialised, or alone,
-    returns the default ``LinkModel``.
+    returns ``DEFAULT_LINK``.
     """
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) < 2:
-        return LinkModel()
+        return DEFAULT_LINK
     rank = dist.get_rank(group)
     peer = rank ^ 1 if peer is None else peer
     if peer >= dist.get_world_size(group):
-        return LinkModel()
+        return DEFAULT_LINK
     points = []
     for n in sizes:
         buf = torch.empty(n, dtype=torch.uint8)

@@ -22,8 +22,9 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from deepspeed_ppq.autotune.costs import CodecOption, LayerProfile, LinkModel
+from deepspeed_ppq.autotune.costs import CodecOption, LayerProfile
 from deepspeed_ppq.autotune.plan import Plan
+from deepspeed_ppq.schedule import LinkModel
 
 __all__ = ["Profile", "StageMeasurement", "TrialResult", "TuningRunner"]
 
@@ -55,7 +56,7 @@ class Profile:
         return {
             "layers": [lp.to_dict() for lp in self.layers],
             "codecs": [{**asdict(c), "config": c.as_dict} for c in self.codecs],
-            "link": asdict(self.link),
+            "link": {"latency_s": self.link.latency_s, "bandwidth_Bps": self.link.bandwidth_Bps},
             "optimizer_costs": dict(self.optimizer_costs),
             "step_transient_bytes_per_param": self.step_transient_bytes_per_param,
             "threads_per_rank": self.threads_per_rank,

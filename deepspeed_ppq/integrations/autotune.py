@@ -160,7 +160,7 @@ class DeepSpeedRunner:
                 boundary = max(lprof[:-1], key=lambda lp: lp.output_bytes) if len(lprof) > 1 else lprof[0]
                 shape = (mbs[-1], max(1, boundary.output_bytes // 4))
                 prof = Profile(layers=lprof, codecs=profiler.profile_codecs(list(codecs.values()), shape),
-                               link=profiler.LinkModel(), optimizer_costs=profiler.optimizer_costs(),
+                               link=profiler.DEFAULT_LINK, optimizer_costs=profiler.optimizer_costs(),
                                step_transient_bytes_per_param=_DS_STEP_TRANSIENT)
                 payload = prof.to_dict()
                 if settings.profile_cache:

@@ -55,7 +55,14 @@ class StageCost:
 class LinkModel:
     """Point-to-point links between ranks: ``latency_s + bytes / bandwidth_Bps`` per message.
 
-    ``overrides[(a, b)] = (latency_s, bandwidth_Bps)`` for the directed link from rank ``a`` to ``b``.
+    The package's one link model: the simulator sends every message over it and the planner
+    (``autotune.planner``) charges its stage-to-stage sends with ``time``. The defaults are free links.
+
+    Attributes:
+        latency_s, bandwidth_Bps: every link that ``overrides`` does not name.
+        overlap: in the simulator, a transfer runs beside the sender's compute (True) or blocks the
+            sender until it is delivered (False: DeepSpeed's blocking p2p).
+        overrides: ``{(a, b): (latency_s, bandwidth_Bps)}`` for the directed link from rank ``a`` to ``b``.
     """
 
     latency_s: float = 0.0
@@ -70,7 +77,11 @@ class LinkModel:
             raise ValueError(f"LinkModel.bandwidth_Bps={self.bandwidth_Bps} must be > 0 "
                              "(use float('inf') for free links)")
 
-    def time(self, src: int, dst: int, nbytes: int) -> float:
+    def time(self, nbytes: float, src: int | None = None, dst: int | None = None) -> float:
+        """Seconds a message of ``nbytes`` takes on the link from rank ``src`` to ``dst`` (without them: on
+        the default link); 0 for no bytes, which sends no message."""
+        if nbytes <= 0:
+            return 0.0
         lat, bw = self.overrides.get((src, dst), (self.latency_s, self.bandwidth_Bps))
         return lat + nbytes / bw
 
