@@ -1,7 +1,7 @@
 """Opt-in patches that bring deepspeed_ppq into Megatron-LM / megatron-core (megatron-core 0.16.1 and 0.19.2).
 
 Three pieces, each checking the installed megatron-core version before it installs itself
-(``PPQ_MEGATRON_ALLOW_UNTESTED=1`` to override, see ``_compat``):
+(``PPQ_MEGATRON_ALLOW_UNTESTED=1`` to override, see ``compat``):
 
 - ``args``: the ``--ppq-*`` flags, generated from ``deepspeed_ppq.config.PPQConfig``
   (``add_ppq_args`` is an ``extra_args_provider``);
@@ -29,8 +29,8 @@ import os
 
 from deepspeed_ppq.config import PPQConfig, PPQConfigError, load_ppq_config
 
-from ._compat import ALLOW_UNTESTED_ENV, TESTED_MEGATRON_VERSIONS, check_megatron_version
 from .args import add_ppq_args, args_to_ppq_config, check_megatron_compatible, ppq_flags
+from .compat import ALLOW_UNTESTED_ENV, TESTED_MEGATRON_VERSIONS, check_megatron_version
 
 __all__ = [
     "add_ppq_args",

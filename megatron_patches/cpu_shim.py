@@ -260,7 +260,7 @@ def enter_cpu_mode() -> None:
     """
     if _SAVED:
         return
-    from ._compat import check_megatron_version
+    from .compat import check_megatron_version
 
     check_megatron_version("CPU mode")
     for mod_name, table in (("torch.cuda", _TORCH_CUDA), ("torch.accelerator", _TORCH_ACCELERATOR)):

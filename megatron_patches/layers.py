@@ -40,7 +40,7 @@ from deepspeed_ppq.config import WeightFormat, WeightsConfig
 from deepspeed_ppq.quant.linear import DequantLinearFunction, QuantLinear
 from deepspeed_ppq.quant.policy import LayerDecision, PrecisionPolicy
 
-from ._compat import check_megatron_version
+from .compat import check_megatron_version
 
 __all__ = [
     "QuantParallelLinear",

@@ -38,7 +38,7 @@ import threading
 
 import torch
 
-from ._compat import check_megatron_version
+from .compat import check_megatron_version
 from .p2p_state import settle_step
 
 __all__ = ["install_step_hooks", "uninstall_step_hooks", "requantize_for_optimizer"]
@@ -161,7 +161,7 @@ def install_step_hooks() -> list[str]:
     Installed by the low-bit layers and by the compressed P2P (``megatron_patches.p2p``).
 
     Raises:
-        RuntimeError: an untested megatron-core version (see ``_compat``).
+        RuntimeError: an untested megatron-core version (see ``compat``).
     """
     check_megatron_version("optimizer step hooks")
     names = []

@@ -44,8 +44,8 @@ from megatron.core.pipeline_parallel import schedules as _schedules
 
 from deepspeed_ppq.config import PPQConfig, PPQConfigError, load_ppq_config
 
-from ._compat import check_megatron_version, check_patch_points
 from .args import interleaving_problems
+from .compat import check_megatron_version, check_patch_points
 from .p2p_state import _CALL, BoundaryCodecs, _CallContext, device, evaluating, with_sample_ids
 
 check_patch_points("compressed P2P")  # the class below subclasses P2PCommunicator: say what is missing
@@ -267,7 +267,7 @@ def install_compressed_p2p(cfg: PPQConfig | dict | str) -> type[PPQP2PCommunicat
         The bound communicator class.
 
     Raises:
-        RuntimeError: on an untested megatron-core version (see ``megatron_patches._compat``).
+        RuntimeError: on an untested megatron-core version (see ``megatron_patches.compat``).
     """
     check_megatron_version("compressed P2P")
     cfg = load_ppq_config(cfg)

@@ -48,7 +48,7 @@ from deepspeed_ppq.config import PPQConfigError, WeightFormat
 from . import CONFIG_ENV, apply, check_honoured_on_megatron
 from .args import add_ppq_args, args_to_ppq_config, check_megatron_compatible, partition_layout
 
-__all__ = ["prepare", "plan_to_megatron", "cpu_defaults", "main"]
+__all__ = ["prepare", "plan_to_megatron", "cpu_defaults", "flag_values", "main"]
 
 
 def _megatron_view(argv: list[str]) -> argparse.Namespace:
@@ -65,8 +65,16 @@ def _megatron_view(argv: list[str]) -> argparse.Namespace:
     return p.parse_known_args(argv)[0]
 
 
-def _flag_values(argv: list[str]) -> dict[str, str | None]:
-    """``--flag value`` / ``--flag`` occurrences in a Megatron command line (last one wins)."""
+def flag_values(argv: list[str]) -> dict[str, str | None]:
+    """The flags of a Megatron command line, as the launcher reads them (``prepare``, ``cpu_defaults``).
+
+    Args:
+        argv: the arguments, e.g. ``["--num-layers", "8", "--fp8-param-gather", "--lr=1e-4"]``.
+
+    Returns:
+        ``{flag: value}``: the value that follows ``--flag`` or ``--flag=value``; None for a flag followed
+        by another flag or by nothing. A flag given twice keeps its last value.
+    """
     out: dict[str, str | None] = {}
     for i, a in enumerate(argv):
         if a.startswith("--"):
@@ -113,7 +121,7 @@ def plan_to_megatron(plan_path: str) -> tuple[list[str], dict]:
 
 def _merge(argv: list[str], extra: list[str], source: str) -> list[str]:
     """Append ``extra`` flags, refusing ones the user gave with a different value."""
-    given = _flag_values(argv)
+    given = flag_values(argv)
     out, i = list(argv), 0
     while i < len(extra):
         name = extra[i]
@@ -187,7 +195,7 @@ def cpu_defaults(argv: list[str]) -> list[str]:
     Raises:
         PPQConfigError: a flag that cannot work on the CPU (``--distributed-backend nccl``).
     """
-    given = _flag_values(argv)
+    given = flag_values(argv)
     backend = given.get("--distributed-backend", "gloo")
     if backend != "gloo":
         raise PPQConfigError(f"--distributed-backend {backend} needs GPUs; CPU mode runs over gloo: "

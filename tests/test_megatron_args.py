@@ -8,9 +8,9 @@ import json
 import pytest
 
 from deepspeed_ppq.config import PPQConfig, PPQConfigError
-from megatron_patches import _compat
+from megatron_patches import compat
 from megatron_patches.args import add_ppq_args, args_to_ppq_config, check_megatron_compatible, ppq_flags
-from megatron_patches.run import _flag_values, cpu_defaults, prepare
+from megatron_patches.run import cpu_defaults, flag_values, prepare
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -84,36 +84,36 @@ def test_what_megatron_cannot_carry_is_refused():
 
 
 def test_untested_megatron_version_fails_loudly(monkeypatch):
-    monkeypatch.delenv(_compat.ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.delenv(compat.ALLOW_UNTESTED_ENV, raising=False)
     with pytest.raises(RuntimeError, match="tested with megatron-core 0.16.1, 0.19.2 but megatron-core 0.12.0"
                        ):
-        _compat.check_megatron_version("compressed P2P", "0.12.0")
-    monkeypatch.setenv(_compat.ALLOW_UNTESTED_ENV, "1")
-    assert _compat.check_megatron_version("compressed P2P", "0.12.0") == "0.12.0"
-    assert _compat.megatron_version() in _compat.TESTED_MEGATRON_VERSIONS
+        compat.check_megatron_version("compressed P2P", "0.12.0")
+    monkeypatch.setenv(compat.ALLOW_UNTESTED_ENV, "1")
+    assert compat.check_megatron_version("compressed P2P", "0.12.0") == "0.12.0"
+    assert compat.megatron_version() in compat.TESTED_MEGATRON_VERSIONS
 
 
 def test_missing_patch_point_fails_at_start_up(monkeypatch):
     """Every patch point exists in the installed megatron-core; one taken away is named."""
     from megatron.core.pipeline_parallel import p2p_communication, schedules
 
-    for patch in _compat.PATCH_POINTS:
-        assert _compat.missing_patch_points(patch) == []
-        _compat.check_megatron_version(patch)
+    for patch in compat.PATCH_POINTS:
+        assert compat.missing_patch_points(patch) == []
+        compat.check_megatron_version(patch)
     monkeypatch.delattr(schedules, "forward_backward_pipelining_with_interleaving")
     monkeypatch.delattr(p2p_communication.P2PCommunicator, "_communicate_shapes")
     pp = r"megatron\.core\.pipeline_parallel\."
     want = (rf"the compressed P2P patch needs {pp}p2p_communication\.P2PCommunicator\._communicate_shapes, "
             rf"{pp}schedules\.forward_backward_pipelining_with_interleaving, which megatron-core")
     with pytest.raises(RuntimeError, match=want):
-        _compat.check_megatron_version("compressed P2P")
+        compat.check_megatron_version("compressed P2P")
 
 
 def test_prepare_strips_ppq_flags_and_adds_te_fp8_flags():
     rest, section = prepare(["--num-layers", "8", "--ppq-weights-format", "fp8_e4m3",
                              "--ppq-weights-fp8-scale", "tensor", "--ppq-activations-method", "quant"])
     assert not any(a.startswith("--ppq") for a in rest)
-    flags = _flag_values(rest)
+    flags = flag_values(rest)
     assert flags["--num-layers"] == "8" and flags["--fp8-format"] == "e4m3"
     assert flags["--fp8-recipe"] == "tensorwise" and "--fp8-param-gather" in flags
     assert flags["--num-layers-at-start-in-bf16"] == "1"
@@ -133,7 +133,7 @@ def test_partition_flags_become_the_megatron_layout():
     pp2 = ["--num-layers", "4", "--pipeline-model-parallel-size", "2"]
     part = ["--ppq-partition-method", "explicit", "--ppq-partition-boundaries", "[0, 1, 4]"]
     rest, section = prepare([*pp2, *part])
-    assert _flag_values(rest)["--pipeline-model-parallel-layout"] == "Et|tttL"
+    assert flag_values(rest)["--pipeline-model-parallel-layout"] == "Et|tttL"
     assert not any(a.startswith("--ppq") for a in rest)
     # the same layout given by hand is fine; another one is a conflict
     rest, _ = prepare([*pp2, "--pipeline-model-parallel-layout", "Et|tttL",
@@ -162,7 +162,7 @@ def test_partition_flags_become_the_megatron_layout():
 
 def test_cpu_defaults():
     out = cpu_defaults(["--num-layers", "4"])
-    assert _flag_values(out)["--distributed-backend"] == "gloo"
+    assert flag_values(out)["--distributed-backend"] == "gloo"
     assert "--no-persist-layer-norm" in out and "--no-gradient-accumulation-fusion" in out
     assert cpu_defaults(out) == out
     with pytest.raises(PPQConfigError, match="--distributed-backend nccl needs GPUs"):
@@ -180,7 +180,7 @@ def test_plan_file_becomes_megatron_flags(tmp_path):
     path = tmp_path / "plan.json"
     plan.save(path)
     rest, section = prepare(["--transformer-impl", "local", "--ppq-plan-file", str(path)])
-    flags = _flag_values(rest)
+    flags = flag_values(rest)
     assert flags["--pipeline-model-parallel-layout"] == "Ett|ttL"
     assert flags["--pipeline-model-parallel-size"] == "2"
     assert flags["--micro-batch-size"] == "2" and flags["--global-batch-size"] == "16"

@@ -1,4 +1,4 @@
-"""megatron_patches on every supported megatron-core version (megatron_patches._compat).
+"""megatron_patches on every supported megatron-core version (megatron_patches.compat).
 
 The project's environment pins megatron-core 0.16.1 (requirements.txt) and every megatron test runs
 on it in ``make test``. The newest release, 0.19.2, needs Python >= 3.12 (0.17.0 onwards declare
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_patches import _compat
+from megatron_patches import compat
 
 ROOT = Path(__file__).resolve().parent.parent
 NEWEST = "0.19.2"
@@ -72,7 +72,7 @@ def _interpreter() -> str:
     if os.environ.get("PPQ_MCORE_BUILD") == "1":
         return _build_venv()
     pytest.skip(f"megatron-core {NEWEST} needs Python >= 3.12 (this environment: {sys.version.split()[0]}, "
-                f"megatron-core {_compat.megatron_version()}): set PPQ_MCORE_PYTHON to a Python with torch "
+                f"megatron-core {compat.megatron_version()}): set PPQ_MCORE_PYTHON to a Python with torch "
                 f"2.13.0 and megatron-core {NEWEST}, or PPQ_MCORE_BUILD=1 to build one from PyPI")
 
 
@@ -84,10 +84,10 @@ def test_megatron_tests_pass_on_the_other_supported_version():
             "print(json.dumps([p.__version__, torch.__version__, sys.version.split()[0]]))")
     probe = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True)
     mcore, torch_version, py = json.loads(probe.stdout.strip().splitlines()[-1])
-    assert mcore in _compat.TESTED_MEGATRON_VERSIONS and mcore != _compat.megatron_version(), (mcore, python)
+    assert mcore in compat.TESTED_MEGATRON_VERSIONS and mcore != compat.megatron_version(), (mcore, python)
     assert torch_version.split("+")[0] == "2.13.0", torch_version
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
-    env.pop(_compat.ALLOW_UNTESTED_ENV, None)
+    env.pop(compat.ALLOW_UNTESTED_ENV, None)
     run = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *MEGATRON_TESTS],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     tail = run.stdout[-3000:]
