@@ -33,6 +33,7 @@ from deepspeed_ppq.config import CodecConfig
 
 __all__ = [
     "HEADER_NBYTES",
+    "METHOD_ID",
     "PayloadLayout",
     "payload_layout",
     "payload_nbytes",
@@ -45,7 +46,8 @@ __all__ = [
 ]
 
 HEADER_NBYTES = 8
-_METHOD_ID = {"none": 0, "quant": 1, "fp8": 2, "topk": 3}
+METHOD_ID = {"none": 0, "quant": 1, "fp8": 2, "topk": 3}
+"""The method id byte of the payload header, per codec method (the receiver checks it against its own)."""
 _FP8_FMT = {"e4m3": 0, "e5m2": 1}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -173,7 +175,7 @@ def write_flagged(payload: torch.Tensor, lay: PayloadLayout) -> torch.Tensor:
 
 
 def _write_header(payload: torch.Tensor, lay: PayloadLayout, bits: int) -> None:
-    payload[1] = _METHOD_ID[lay.method]
+    payload[1] = METHOD_ID[lay.method]
     payload[2] = bits
     payload[3] = int(lay.values_only)
     payload[4:HEADER_NBYTES] = 0
@@ -258,10 +260,10 @@ def decode_from(
             f"{lay.nbytes} bytes for shape {lay.shape} {lay.dtype} (same codec on both stages?)"
         )
     mid = int(payload[1])
-    if mid != _METHOD_ID[lay.method]:
+    if mid != METHOD_ID[lay.method]:
         raise ValueError(
             f"payload was encoded with method id {mid}, the receiver expects {lay.method!r} "
-            f"(id {_METHOD_ID[lay.method]}): sender and receiver codec configs differ"
+            f"(id {METHOD_ID[lay.method]}): sender and receiver codec configs differ"
         )
     if lay.method == "none":
         out.view(-1).view(torch.uint8).copy_(_section(payload, lay.sec[0]))
