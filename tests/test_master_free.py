@@ -18,19 +18,24 @@ from torch import nn
 
 from deepspeed_ppq.config import WeightsConfig
 from deepspeed_ppq.models.gpt import GPT, GPTConfig, gpt_layers, gpt_loss, layer_kinds
-from deepspeed_ppq.ops import has_kernel
+from deepspeed_ppq.ops import has_kernel, registered_ops
 from deepspeed_ppq.quant import QuantLinear, build_optimizer, clear_workspace, convert_model, measure_storage
 from deepspeed_ppq.quant import ops as wops
 from deepspeed_ppq.quant.ledger import ParamSpec, ledger_from_model, ledger_from_shapes
-from deepspeed_ppq.quant.master_free import attach_master_free, master_free_layers, master_free_step
+from deepspeed_ppq.quant.master_free import (
+    attach_master_free,
+    master_free_layers,
+    master_free_step,
+    shared_code_maps,
+)
 from deepspeed_ppq.quant.sr_ops import (
     SR_FORMATS,
-    _quantize_sr_out_ref,
     sr_uniform,
     weight_quantize_sr,
     weight_quantize_sr_out,
 )
 
+SR_REF = registered_ops()["weight_quantize_sr_out"]  # the SR op's plain-PyTorch reference
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=4)
 BLOCKS = [i for i, k in enumerate(layer_kinds(CFG)) if k == "block"]
 
@@ -56,7 +61,7 @@ def test_cpp_equals_reference_bit_for_bit(fmt, dtype, per_tensor):
     for seed, offset in [(0, 0), (2**32 - 1, 2**33 - 5)]:
         c, s = weight_quantize_sr(x, fmt, 64, seed, offset, scale_dtype=dtype, per_tensor=per_tensor)
         c_ref, s_ref = torch.empty_like(c), torch.empty_like(s)
-        _quantize_sr_out_ref(x, fmt, 64, seed, offset, c_ref, s_ref)
+        SR_REF(x, fmt, 64, seed, offset, c_ref, s_ref)
         assert torch.equal(c.view(torch.uint8), c_ref.view(torch.uint8))
         assert torch.equal(s, s_ref)
 
@@ -73,7 +78,7 @@ def test_cpp_equals_reference_over_a_wide_range(fmt, dtype, block_size):
     x[::13] = 0
     c, s = weight_quantize_sr(x, fmt, block_size, 12345, 7 * 5000, scale_dtype=dtype)
     c_ref, s_ref = torch.empty_like(c), torch.empty_like(s)
-    _quantize_sr_out_ref(x, fmt, block_size, 12345, 7 * 5000, c_ref, s_ref)
+    SR_REF(x, fmt, block_size, 12345, 7 * 5000, c_ref, s_ref)
     assert torch.equal(c.view(torch.uint8), c_ref.view(torch.uint8))
     assert torch.equal(s, s_ref)
 
@@ -93,7 +98,7 @@ def test_cuda_kernel_equals_reference(fmt, per_tensor):
         x[0, :70] = 0
         c, s = weight_quantize_sr(x.cuda(), fmt, 128, 99, 2**33 + 1, scale_dtype=dtype, per_tensor=per_tensor)
         c_ref, s_ref = torch.empty_like(c.cpu()), torch.empty_like(s.cpu())
-        _quantize_sr_out_ref(x, fmt, 128, 99, 2**33 + 1, c_ref, s_ref)
+        SR_REF(x, fmt, 128, 99, 2**33 + 1, c_ref, s_ref)
         assert torch.equal(c.cpu().view(torch.uint8), c_ref.view(torch.uint8))
         assert torch.equal(s.cpu(), s_ref)
 
@@ -130,8 +135,6 @@ def test_fused_update_equals_reference_bit_for_bit(fmt, scale_dtype, state_8bit,
     """One op = dequantize, AdamW (fp32 or 8-bit moments), SR re-quantize, as the reference does them:
     codes, scales and states equal bit for bit over three steps, partial last blocks and chunks, the
     SR counter past 2^32."""
-    from deepspeed_ppq.ops import registered_ops
-
     if state_8bit and not _QMAPS:
         bnbf = pytest.importorskip("bitsandbytes.functional")
         _QMAPS.extend([bnbf.create_dynamic_map(signed=True), bnbf.create_dynamic_map(signed=False)])
@@ -292,7 +295,7 @@ def test_step_is_adamw_on_the_dequantized_weight_then_sr(fmt):
         v = 0.999 * v + 0.001 * g * g
         w = w * (1 - 1e-2 * 0.1) - 1e-2 / (1 - 0.9**t) * m / ((v / (1 - 0.999**t)).sqrt() + 1e-8)
         codes, scales = torch.empty_like(layer.qweight.qdata), torch.empty_like(layer.qweight.scale)
-        _quantize_sr_out_ref(w, fmt, 64, 11, t * w.numel(), codes, scales)
+        SR_REF(w, fmt, 64, 11, t * w.numel(), codes, scales)
         torch.testing.assert_close(layer.qweight.scale, scales, rtol=1e-6, atol=0)
         # moments equal to rounding: at most a few codes may land on the other neighbour
         differ = (layer.qweight.qdata.view(torch.uint8) != codes.view(torch.uint8)).sum()
@@ -302,28 +305,23 @@ def test_step_is_adamw_on_the_dequantized_weight_then_sr(fmt):
 
 
 @pytest.mark.parametrize("state_8bit", [False, True])
-def test_fused_step_equals_the_three_ops(state_8bit):
-    """A layer with block scales takes the fused op; the same layer with its weight updated by the three
-    ops (dequantize, the AdamW reference, the SR op) ends with the same codes, scales and states. A
-    per-tensor fp8 scale (the three ops' path) also steps."""
-    from deepspeed_ppq.quant.adam8bit import adam8bit_step
-    from deepspeed_ppq.quant.master_free import _adamw_fp32_ref, _qmaps
-
+def test_layer_step_equals_the_fused_reference(state_8bit):
+    """A layer with block scales takes the fused op; its twin stepped by the op's plain-PyTorch reference
+    (dequantize, AdamW, SR re-quantize), with the code maps the layers share, ends with the same codes,
+    scales and states. A per-tensor fp8 scale (the three ops' path) also steps."""
     layer, _ = _mf_layer("fp8_e5m2", in_f=300, out_f=70, optimizer_8bit=state_8bit)  # 21000: 8-bit states
     twin, _ = _mf_layer("fp8_e5m2", in_f=300, out_f=70, optimizer_8bit=state_8bit)
     layer.weight_grad = torch.randn(70, 300) * 1e-2
     master_free_step([layer], 1e-2, weight_decay=0.1, grad_scale=0.5)
     st = layer.optim_state
     assert ("state1" in st) == state_8bit
-    w, g = twin.dequantized_weight(), layer.weight_grad
+    codes, scales = twin.qweight.qdata.clone(), twin.qweight.scale.clone()
     s = {k: torch.zeros_like(v) for k, v in st.items()}
-    if state_8bit:
-        adam8bit_step(w, g, s["state1"], s["state2"], s["absmax1"], s["absmax2"], *_qmaps(w.device),
-                      beta1=0.9, beta2=0.999, eps=1e-8, step=1, lr=1e-2, weight_decay=0.1, gnorm_scale=0.5)
-    else:
-        m, v = s["exp_avg"].view(-1), s["exp_avg_sq"].view(-1)
-        _adamw_fp32_ref(w.view(-1), g.view(-1), m, v, 0.9, 0.999, 1e-8, 1, 1e-2, 0.1, 0.5)
-    codes, scales = weight_quantize_sr(w, "fp8_e5m2", 64, 11, w.numel())
+    none = torch.empty(0)
+    states = ((s["state1"], s["state2"], s["absmax1"], s["absmax2"], *shared_code_maps()["cpu"]) if state_8bit
+              else (s["exp_avg"], s["exp_avg_sq"], none, none, none, none))
+    registered_ops()["master_free_adamw_step_"](codes, scales, "fp8_e5m2", 64, layer.weight_grad, *states,
+                                                0.9, 0.999, 1e-8, 1, 1e-2, 0.1, 0.5, 11, codes.numel())
     assert torch.equal(layer.qweight.qdata.view(torch.uint8), codes.view(torch.uint8))
     assert torch.equal(layer.qweight.scale, scales)
     assert all(torch.equal(st[k], s[k]) for k in st)

@@ -35,7 +35,7 @@ from _harness import loadavg, machine, machine_line, time_against, x_copy  # noq
 
 from deepspeed_ppq.config import WeightsConfig  # noqa: E402
 from deepspeed_ppq.models.gpt import GPT, GPTConfig, gpt_loss, layer_kinds  # noqa: E402
-from deepspeed_ppq.ops import has_kernel  # noqa: E402
+from deepspeed_ppq.ops import has_kernel, registered_ops  # noqa: E402
 from deepspeed_ppq.quant import (  # noqa: E402
     QuantLinear,
     attach_master_free,
@@ -49,8 +49,8 @@ from deepspeed_ppq.quant import (  # noqa: E402
 from deepspeed_ppq.quant import ops as wops  # noqa: E402
 from deepspeed_ppq.quant.adam8bit import adam8bit_step  # noqa: E402
 from deepspeed_ppq.quant.ledger import ParamSpec  # noqa: E402
-from deepspeed_ppq.quant.master_free import _qmaps  # noqa: E402
-from deepspeed_ppq.quant.sr_ops import _quantize_sr_out_ref, weight_quantize_sr_out  # noqa: E402
+from deepspeed_ppq.quant.master_free import shared_code_maps  # noqa: E402
+from deepspeed_ppq.quant.sr_ops import weight_quantize_sr_out  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "..", "results")
@@ -132,7 +132,7 @@ def _three_op_update(mf, g):
     layer's codes, scales and states."""
     qw, st = mf.qweight, {k: v.clone() for k, v in mf.optim_state.items()}
     codes, scales = qw.qdata.clone(), qw.scale.clone()
-    q1, q2 = _qmaps(g.device)
+    q1, q2 = shared_code_maps()[str(g.device)] if "state1" in st else (None, None)  # the layer's maps
     t = mf.optim_step + 1
 
     def run():
@@ -186,7 +186,7 @@ def step_times(reps: int) -> list[dict]:
     codes, scales = torch.empty(w.numel(), dtype=torch.int8), torch.empty(w.numel() // 64)
     weight_quantize_sr_out(w, "int8", 64, 5, 123, codes, scales)
     c_ref, s_ref = torch.empty_like(codes), torch.empty_like(scales)
-    _quantize_sr_out_ref(w, "int8", 64, 5, 123, c_ref, s_ref)
+    registered_ops()["weight_quantize_sr_out"](w, "int8", 64, 5, 123, c_ref, s_ref)  # its reference
     assert torch.equal(codes, c_ref) and torch.equal(scales, s_ref), "SR kernel != reference"
 
     def layer(master, o8):
