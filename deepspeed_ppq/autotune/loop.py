@@ -47,7 +47,7 @@ from deepspeed_ppq.autotune.runner import Profile, TrialResult, TuningRunner
 __all__ = [
     "tune", "summarize", "build_problem", "back_off", "default_micro_batch_sizes", "ladder_plans",
     "same_configuration", "is_stock_configuration",
-    "measured_bubble", "TuningError",
+    "measured_bubble", "over_budget", "TuningError",
 ]
 
 
@@ -153,7 +153,17 @@ def _budget_limit(settings) -> float | None:
     return None if b is None else b * (1 + settings.memory_tolerance)
 
 
-def _over_budget(settings, run: dict) -> list[str]:
+def over_budget(settings, run: dict) -> list[str]:
+    """Why a measured run breaks the memory budget: one line per stage whose measured peak exceeds
+    ``memory_budget * (1 + memory_tolerance)``.
+
+    Args:
+        settings: the ``ppq.autotune`` settings (``AutotuneConfig``).
+        run: a measured run (``summarize``), with ``run["stages"][i]["measured_memory"]["total"]``.
+
+    Returns:
+        The stages over the limit, as messages; empty without a budget or when every stage fits.
+    """
     limit = _budget_limit(settings)
     if limit is None:
         return []
@@ -394,7 +404,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         tried.add(plan.notes[0])
         stamp(plan)
         run = summarize(plan, runner.run_trial(plan, settings, seed=0))
-        over = _over_budget(settings, run)
+        over = over_budget(settings, run)
         measured.append({"plan": plan.to_dict(), "run": run, "fits": not over, "over": over})
         runs.append((plan, run))
         note(f"{plan.notes[0]}: predicted {plan.predicted_step_time * 1e3:.1f} ms, measured "
@@ -441,7 +451,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         stamp(plan)
         run = summarize(plan, runner.run_trial(plan, settings, seed=0))
         run["simulated"] = simulate_plan(problem, plan)
-        over = _over_budget(settings, run)
+        over = over_budget(settings, run)
         if not over:
             run["quality_val_loss"] = quality(plan, 0)
         ok_q, why = _gate_check(gate, run.get("quality_val_loss", run["val_loss"]))

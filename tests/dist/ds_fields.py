@@ -135,7 +135,7 @@ class Items(torch.utils.data.Dataset):
 
 
 def tune_case(case: dict, work: Path) -> dict:
-    from deepspeed_ppq.autotune.loop import _over_budget
+    from deepspeed_ppq.autotune.loop import over_budget
     from deepspeed_ppq.config import PPQConfigError, load_ppq_config
     from deepspeed_ppq.integrations.autotune import DeepSpeedRunner
 
@@ -165,7 +165,7 @@ def tune_case(case: dict, work: Path) -> dict:
     peak = run["peak_memory"]
 
     def over(tolerance: float) -> bool:
-        return bool(_over_budget(tune.model_copy(update={"memory_budget": int(peak / 1.1),
+        return bool(over_budget(tune.model_copy(update={"memory_budget": int(peak / 1.1),
                                                          "memory_tolerance": tolerance}), run))
 
     return {
