@@ -118,6 +118,11 @@ class QuantParallelLinear(QuantLinear):
         """Re-quantize at the next forward (the master is updated later, e.g. by a deferred all-gather)."""
         self._stale = True
 
+    @property
+    def stale(self) -> bool:
+        """Whether the compute copy waits for the next training forward to re-quantize (``mark_stale``)."""
+        return self._stale
+
     def _refresh(self) -> None:
         """Re-quantize when marked stale or when the master's version counter moved (safety net)."""
         if self.mode == "train" and (self._stale or self.weight._version != self._seen_version):

@@ -217,7 +217,7 @@ def case_distributed(overlap: bool) -> dict:
         out = {"inner": type(opt.chained_optimizers[0]).__name__, "success": bool(success),
                "layers": len(layers),
                "requantized_at_step": all(m.quant_version == s + 1 for m, s in zip(layers, seen)),
-               "marked_stale": all(m._stale for m in layers)}
+               "marked_stale": all(m.stale for m in layers)}
         # Megatron-LM's loop: zero_grad starts the first deferred all-gather, the forward waits on it
         opt.zero_grad()
         ddp.zero_grad_buffer()
