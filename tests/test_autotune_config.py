@@ -71,6 +71,18 @@ def test_settings_reach_the_planning_problem():
         build_problem(strict, 2, 8, _profile())
 
 
+def test_gradient_candidates_reach_the_planning_problem():
+    """``autotune.min_gradient_bits`` and ``gradient_codecs`` on the planning problem (the gradient side
+    of the test above)."""
+    s = AutotuneConfig(gradient_codecs=[{"method": "none"}, {"method": "quant", "bits": 6},
+                                        {"method": "quant", "bits": 2}], min_gradient_bits=4)
+    prob = build_problem(s, world_size=2, global_batch=8, profile=_profile())
+    assert [c.label for c in prob.gradient_codecs] == ["none", "quant6"]
+    with pytest.raises(TuningError, match=r"gradient_codecs: no candidate has at least 8 bits"):
+        strict = s.model_copy(update={"min_gradient_bits": 8, "gradient_codecs": [s.gradient_codecs[2]]})
+        build_problem(strict, 2, 8, _profile())
+
+
 def test_ppq_tune_flags_are_generated_from_the_config():
     from deepspeed_ppq.integrations.tune_cli import flag_overrides, settings_flags
 

@@ -154,7 +154,7 @@ CODEC_RUNS = {  # field -> (case, base, observable), per direction ("act"/"grad"
     "group_size": ("group8", "group16", "wire_bytes"),
     "topk_ratio": ("topk50", "topk25", "wire_bytes"),
 }
-GRADIENT_CANDIDATES = "tests/test_reliability_fields.py::test_gradient_candidates_reach_the_planning_problem"
+GRADIENT_CANDIDATES = "tests/test_autotune_config.py::test_gradient_candidates_reach_the_planning_problem"
 FIELDS: dict[str, Any] = {
     "weights.format": Run("int8", "plain", differs=("low_bit.format", "losses")),
     "weights.block_size": Run("int8_b16_bf16", "int8", differs=("low_bit.block_size", "losses")),
@@ -413,23 +413,6 @@ def test_plan_with_deepspeed_only_choices_is_refused_on_megatron(tmp_path):
     plan.save(tmp_path / "plan.json")
     with pytest.raises(PPQConfigError, match=r"the plan uses 8-bit Adam states .* only the DeepSpeed path"):
         prepare(["--transformer-impl", "local", "--ppq-plan-file", str(tmp_path / "plan.json")])
-
-
-def test_gradient_candidates_reach_the_planning_problem():
-    """``autotune.min_gradient_bits`` and ``gradient_codecs`` on the planning problem (as
-    test_autotune_config does for the activation side)."""
-    from test_autotune_config import _profile
-
-    from deepspeed_ppq.autotune.loop import TuningError, build_problem
-    from deepspeed_ppq.config import AutotuneConfig
-
-    s = AutotuneConfig(gradient_codecs=[{"method": "none"}, {"method": "quant", "bits": 6},
-                                        {"method": "quant", "bits": 2}], min_gradient_bits=4)
-    prob = build_problem(s, world_size=2, global_batch=8, profile=_profile())
-    assert [c.label for c in prob.gradient_codecs] == ["none", "quant6"]
-    with pytest.raises(TuningError, match=r"gradient_codecs: no candidate has at least 8 bits"):
-        strict = s.model_copy(update={"min_gradient_bits": 8, "gradient_codecs": [s.gradient_codecs[2]]})
-        build_problem(strict, 2, 8, _profile())
 
 
 def test_profile_reps_is_the_number_of_timed_runs():
