@@ -7,7 +7,7 @@ For each workload, ``ppq tune`` runs the unmodified example script on 2 ranks:
    validation loss over 3 seeds: the quality gate's noise), then one feature at a time up to the tuned
    plan (low-bit weights at the stock schedule, the freed memory spent on fill, re-balanced stages,
    codecs); each rung measured: samples/s, bubble, peak memory per stage, validation loss.
-2. **A budget sweep** (``--budgets``, or 8 budgets from where the fastest stock configuration fits at its
+2. **A budget sweep** (``--budgets``, or 6 budgets from where the fastest stock configuration fits at its
    fastest down to where only the smallest stock configuration fits): at each per-stage budget the tuner
    measures the stock candidates that fit (the fastest measured is the baseline) and the tuned plan,
    then alternates baseline and plan ``ab_repeats`` more times; the speedup is the ratio of the
@@ -93,7 +93,7 @@ def sweep_row(budget_mb: float, r: dict, unconstrained: dict | None) -> dict:
             "gate": r["gate"], "wall_s": r["wall_s"]}
 
 
-def sweep_budgets(free: dict, n: int = 8) -> list[float]:
+def sweep_budgets(free: dict, n: int = 6) -> list[float]:
     """``n`` budgets (MiB) from the measured peak of the fastest stock configuration with no budget
     (where it fits at its fastest) down to the smallest stock configuration's predicted peak (micro-batch
     1 with recomputation, say: where only it fits), evenly spaced on a log scale."""
