@@ -37,7 +37,7 @@ demo: setup
 	DS_ACCELERATOR=cpu $(PY) examples/demo/run_demo.py $(DEMO_ARGS)
 
 # Every benchmark, each against its baseline in the same run; results land in benchmarks/results/.
-# They take long on 2 cores and want a quiet machine (check `uptime`).
+# They take long on a small CPU machine and want a quiet one (check `uptime`).
 BENCHES := ops/bench_weights.py quant/bench_adam8bit.py quant/bench_master_free.py p2p/bench_codecs.py \
            sim/bench_simulator.py autotune/bench_planner.py p2p/bench_pipeline_comm.py sim/validate_runtime.py \
            autotune/bench_tune.py e2e/bench_quality.py

@@ -212,9 +212,9 @@ def test_freed_memory_goes_to_pipeline_fill():
 
 
 def test_optimizer_kinds_are_charged_their_measured_cost():
-    """8-bit states and the master-free update cost what the profiler measured (bitsandbytes' CPU
-    Adam8bit is ~4x fp32 Adam on this machine): each parameter is charged by what updates it, and the
-    planner weighs that against what the freed memory buys."""
+    """8-bit states and the master-free update cost what the profiler measured (here 4x fp32 Adam for
+    8-bit states, a ratio of the kind a CPU measures): each parameter is charged by what updates it, and
+    the planner weighs that against what the freed memory buys."""
     from deepspeed_ppq.autotune.planner import optimizer_units
 
     prob = _problem(5, 10, world_size=2, global_batch=16, micro_batch_sizes=[4], pipeline_degrees=[2],

@@ -193,7 +193,8 @@ def _train(data, seed: int, act: dict, grad: dict) -> tuple[float, int]:
 
 @pytest.fixture
 def one_thread():
-    # tiny matmuls on a shared 2-core machine: a second OpenMP thread only waits for a busy core
+    # tiny matmuls: a second OpenMP thread costs more than it computes (and waits for a core when they
+    # are all busy)
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -1,7 +1,7 @@
 """The study's CNN setting at reduced scale: a small ReLU ResNet on generated oriented-grating images.
 
-The study measured its quantization findings on ResNet-18 / CIFAR-10. Nothing can be downloaded here,
-so the images are generated in code (deterministic per seed):
+The study measured its quantization findings on ResNet-18 / CIFAR-10. The benchmark downloads nothing
+(it runs offline), so the images are generated in code (deterministic per seed):
 
 * 10 classes: the orientation of a Gabor patch (a cosine grating under a Gaussian window), at
   ``k * 18`` degrees for class ``k`` with +-5 degrees of jitter;

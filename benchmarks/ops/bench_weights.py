@@ -179,7 +179,7 @@ def main(argv=None) -> dict:
         "x copy = (op bytes read + written: fp tensor + codes + scales) / op time over (copy bytes read + "
         "written: 2 x the fp tensor) / copy time, medians of the same run (x copy min: fastest runs); "
         "GB/s = full-precision bytes / time; x ref = reference time / op time; x bnb = bitsandbytes time / "
-        "op time (bnb x copy counts the same bytes as ours). Target (issue 13): x copy >= 0.6.",
+        "op time (bnb x copy counts the same bytes as ours). Target: x copy >= 0.6.",
     ]
     cols = [
         "format",

@@ -183,7 +183,7 @@ def main(argv=None) -> None:
         + " ".join(argv if argv is not None else sys.argv[1:])
         + "`",
         "x copy = (kernel bytes read + written) / kernel time over (copy bytes read + written) / copy "
-        "time, both medians of the same run; targets (issue 13): encode/decode >= 0.5, TopK select >= 0.3.",
+        "time, both medians of the same run; targets: encode/decode >= 0.5, TopK select >= 0.3.",
     ]
     md = write_results(
         "bench_codecs",

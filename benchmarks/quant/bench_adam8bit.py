@@ -115,7 +115,7 @@ def main() -> None:
         f"bitsandbytes {bnb.__version__}; {args.threads} thread(s). One weight of {n} values, median of "
         f"{args.reps} steps alternating with torch's fused fp32 Adam; checked against bitsandbytes' kernel "
         "first.",
-        "x fused Adam = step time / fused Adam step time (same run); lower is faster. Target (issue 13): "
+        "x fused Adam = step time / fused Adam step time (same run); lower is faster. Target: "
         "ours <= 1.0.",
         "Threads: torch's fused Adam runs over torch's intra-op threads, ours splits its blocks with "
         f"OpenMP over the same count (at::get_num_threads()); --threads sets both ({args.threads} here).",

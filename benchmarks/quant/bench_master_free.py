@@ -16,7 +16,7 @@ master path and dense fp32, measured in one run.
    three ops (dequantize to a dense fp32 copy, the AdamW op or torch ops, the SR op: what it cost
    before the fused op), checked equal first; and the SR quantize ops (int8, fp8 e4m3/e5m2; fp32 and
    bf16 weights) and the round-to-nearest ones against a copy of the weight (bytes read + written
-   per second; target, issue 13: SR >= 0.5x copy). Timing: benchmarks/_harness.py.
+   per second; target: SR >= 0.5x copy). Timing: benchmarks/_harness.py.
 Results: benchmarks/results/bench_master_free.{json,md}, with the machine, load and C++ kernel path.
 """
 
@@ -314,7 +314,7 @@ def main() -> None:
         "",
         "## Update time of one 4096x1024 int8 layer (medians; ratio of alternating pairs)\n",
         "x baseline = time / baseline time (lower is faster); ns/param = time / values of the layer; "
-        "x copy = bytes read + written per second over the copy's (target for SR quantize, issue 13: "
+        "x copy = bytes read + written per second over the copy's (target for SR quantize: "
         ">= 0.5).\n",
         "| op | ms | ns/param | baseline | baseline ms | x baseline | x copy |",
         "|---|---|---|---|---|---|---|",

@@ -8,12 +8,12 @@ For each configuration, each rank (one thread, one core) builds a ``PipelineModu
 then the launcher simulates the ``deepspeed`` schedule from the profile (blocking links, as
 DeepSpeed's ``p2p.send``) and compares with the median measured step. The simulation from the
 isolated per-layer profile is reported beside it: it misses the engine's own per-instruction work
-(buffer clones, loss) and sees different load from other processes on this shared machine.
+(buffer clones, loss) and, on a machine other processes share, a different load.
 
     .venv/bin/python benchmarks/sim/validate_runtime.py            # writes benchmarks/results/sim_validate_*
 
-Compute dominates on this machine, so the figures test the simulator's schedule model (which rank
-waits for which) more than its link model.
+On CPU ranks over gloo, compute dominates the step, so the figures test the simulator's schedule model
+(which rank waits for which) more than its link model.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def rank_main(cfg: dict, steps: int) -> None:
             yield from data
 
     # Profile steps time each engine instruction; measured steps run untouched. They alternate, so
-    # both see the same load from other processes on this shared machine.
+    # both see the same load from whatever else runs on the machine.
     timings: dict[str, list[float]] = {}
     profiling = [False]
 
@@ -251,7 +251,7 @@ def main() -> int:
              "Simulated: DeepSpeed's TrainSchedule order, per-stage F/B/optimizer times from profile steps "
              "(engine instructions timed) alternating with the measured steps; blocking links from a "
              "ping-pong. Each measured step is compared with the simulation from the profile step just "
-             "before it (the machine is shared, its load changes); error = median of those pairs. The last "
+             "before it (the load from other processes changes); error = median of those pairs. The last "
              "column simulates from per-layer times measured in isolation instead.", "",
              "| config | layers | hidden | mbs | m | simulated ms | measured ms | error | sim bubble "
              "| sim from isolated layers ms |",

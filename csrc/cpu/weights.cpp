@@ -6,14 +6,15 @@
 //   codes computed against the stored scale. Tests compare codes with the reference exactly.
 // * One pass over memory. A block (<= 4096 values, <= 16 KiB fp32) is read once from DRAM; the absmax
 //   loop and the encode loop then run on L1-resident data. Blocks are independent, so OpenMP splits
-//   them statically across torch's thread count (two cores here: one stream each).
+//   them statically across torch's thread count (one contiguous range of blocks, one stream, per thread).
 // * Per ISA (isa.h): full blocks (all but a partial last one; a multiple of 16 values) take explicit
 //   AVX-512 or AVX2 loops (namespace avx, one per module, same names) that read fp32 or bf16 straight
 //   from the input, bf16 widened in-register.
-//   The partial last block, and every block on a machine without AVX-512, takes the scalar loops,
-//   bf16 widened into a stack buffer first. Both give the same bits (the tests compare them with the
-//   reference; on this machine the scalar loops run for partial last blocks). (GCC's own vectorisation of the scalar loops spilled mask registers and ran at about one
-//   value per cycle, which left the bf16 quantizers at 0.2-0.3x a copy.)
+//   The partial last block, and every block in the scalar module, takes the scalar loops, bf16 widened
+//   into a stack buffer first. Both give the same bits: the tests compare each path with the reference
+//   (tests/test_cpu_isa.py runs them on every path the CPU has), partial last blocks included. (GCC's
+//   own vectorisation of the scalar loops spilled mask registers and ran at about one value per cycle,
+//   which left the bf16 quantizers at 0.2-0.3x a copy.)
 // * absmax is a max over the integer bits of |x| (finite, non-negative floats order like their bits, and
 //   NaN/Inf show up as bits >= 0x7f800000, which marks the block's scale NaN: no extra pass for the
 //   non-finite check); short blocks reduce 16 at a time through one transposing tree, and the scales

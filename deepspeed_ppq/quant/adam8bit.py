@@ -4,8 +4,8 @@ The state layout is bitsandbytes' (``Adam8bit``/``AdamW8bit``, ``optimizer_updat
 per parameter two ``uint8`` codes into 256-entry maps (``qmap1``: the signed dynamic map for the first
 moment, ``qmap2``: the unsigned one for the second) and per block of 256 values two fp32 ``absmax``.
 A checkpoint written by one is read by the other. bitsandbytes' CPU backend runs the update as a dozen
-whole-tensor PyTorch ops plus a binary-search quantizer (~20 ns per parameter here, ~40x a fused fp32
-Adam); ``csrc/cpu/adam8bit.cpp`` does one pass per block.
+whole-tensor PyTorch ops plus a binary-search quantizer; ``csrc/cpu/adam8bit.cpp`` does one pass per
+block (``benchmarks/quant/bench_adam8bit.py`` times both against torch's fused fp32 Adam).
 
 The math (fp32; ``g`` is the gradient, ``t`` the step, per block ``a1``/``a2`` the stored absmax;
 ``c1 = 1 - beta1^t`` and ``c2 = sqrt(1 - beta2^t)`` in float64, rounded to fp32 where they meet a tensor):

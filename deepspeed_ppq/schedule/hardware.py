@@ -56,8 +56,8 @@ HARDWARE = {
         # AVX-512 FMA: 2 units x 16 fp32 x 2 FLOP x ~2.5 GHz = 160 GFLOP/s per core peak; bf16 via AMX higher.
         {"fp32": 160e9, "bf16": 320e9},
         10e9, 24 << 30, 5e9, 5e-5, 0.35, 0.8,
-        "memory: one core streams ~10 GB/s (a large-array copy timed on a 2-vCPU Xeon VM of the kind the "
-        "CPU benchmarks ran on); AVX-512 FMA peak; achievable fraction from eager matmuls on one thread; "
+        "memory: one core streams ~10 GB/s (a large-array copy timed on a 2-vCPU Xeon VM); AVX-512 FMA "
+        "peak; achievable fraction from eager matmuls on one thread; "
         "link: gloo over loopback as measured by benchmarks/sim/validate_runtime.py"),
 }
 
