@@ -25,7 +25,7 @@ build: $(STAMP)
 	$(PY) -c "import deepspeed_ppq.ops as o; o.require_native()"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check deepspeed_ppq megatron_patches tests benchmarks
+	$(VENV)/bin/ruff check deepspeed_ppq megatron_patches tests benchmarks examples
 
 test: setup lint
 	DS_ACCELERATOR=cpu $(PY) -m pytest -q -ra tests

@@ -11,7 +11,7 @@ itself (and the launcher runs them at start-up, before the training script):
   megatron-core; a missing one stops with its dotted name, also under ``PPQ_MEGATRON_ALLOW_UNTESTED``.
 
 Supported: megatron-core 0.16.1 (Python >= 3.10) and 0.19.2, the newest release (Python >= 3.12; it
-installs with the same torch 2.13.0). ``tests/test_megatron_versions.py`` runs the megatron tests
+installs with the same torch 2.13.0). ``tests/megatron/test_megatron_versions.py`` runs the megatron tests
 against an environment with the other version.
 """
 
@@ -131,7 +131,7 @@ def check_megatron_version(patch: str, version: str | None = None) -> str:
             f"megatron_patches: the {patch} patch was tested with megatron-core "
             f"{', '.join(TESTED_MEGATRON_VERSIONS)} but megatron-core {version} is installed. Install a "
             f"supported version, or set {ALLOW_UNTESTED_ENV}=1 to try it anyway (then run "
-            "tests/test_megatron_p2p.py)."
+            "tests/megatron/test_megatron_p2p.py)."
         )
     if installed and patch in PATCH_POINTS:
         check_patch_points(patch)

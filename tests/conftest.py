@@ -1,3 +1,14 @@
+"""The tests mirror the package: ``tests/<part>/test_*.py`` for ``deepspeed_ppq/<part>/`` (``quant``,
+``compress``, ``schedule``, ``autotune``, ``integrations``: the DeepSpeed engine, ``models``), ``config``
+(the ``"ppq"`` section and ``configs/``), ``cli``, ``ops`` (loading the native kernels per instruction
+set, the CUDA build), ``megatron`` (``megatron_patches``) and ``e2e`` (the examples, the demo, the quality
+study). At the top: what spans the package (its import floors, the format table, the memory categories).
+
+Beside them: ``dist/`` and ``mcore/`` hold the rank scripts the distributed tests run by path, ``golden/``
+the golden schedules and checkpoints, ``fake_slurm/`` and ``deepspeed_unit/`` test harnesses, and
+``dist_utils.py`` starts ranks. Test file names are unique across folders (pytest imports each by name).
+"""
+
 import os
 import sys
 from pathlib import Path
@@ -6,8 +17,9 @@ import pytest
 import torch
 
 TESTS = Path(__file__).resolve().parent
-# importable by every test: tests/ (dist_utils, fake_slurm) and examples/ (stdlib_text, the examples' text)
-sys.path[:0] = [str(TESTS), str(TESTS.parent / "examples")]
+# importable by every test: tests/ (dist_utils, fake_slurm), the rank scripts of tests/dist/ (their models and
+# settings) and examples/ (stdlib_text, the examples' text)
+sys.path[:0] = [str(TESTS), str(TESTS / "dist"), str(TESTS.parent / "examples")]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 

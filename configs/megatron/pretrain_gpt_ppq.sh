@@ -3,7 +3,7 @@
 # PP=4 x DP=2, int8 weights in the middle blocks (ppq QuantLinear, local layer spec, TP=1),
 # 8-bit per-token activations and gradients between stages with error feedback on activations.
 # Run from a Megatron-LM checkout with deepspeed_ppq installed:  bash pretrain_gpt_ppq.sh
-# Multi-node: see pretrain_gpt_ppq.sbatch. tests/test_megatron_args.py validates the flags below.
+# Multi-node: see pretrain_gpt_ppq.sbatch. tests/megatron/test_megatron_args.py validates the flags below.
 set -euo pipefail
 DATA_PATH=${DATA_PATH:-/data/my-gpt2_text_document}
 VOCAB=${VOCAB:-/data/gpt2-vocab.json}

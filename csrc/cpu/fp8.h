@@ -19,7 +19,7 @@
 // * `sel` is an integer-mask select: GCC keeps `c ? a : b` on these as branches in some loops, which
 //   stops vectorisation ("control flow in loop"); masks do not.
 // Header-only and inline so each kernel's loop inlines it; the tests compare every code and value with
-// torch's own casts (tests/test_weight_kernels.py, tests/test_codecs.py, tests/test_master_free.py).
+// torch's own casts (tests/quant/test_weight_kernels.py, tests/compress/test_codecs.py, tests/quant/test_master_free.py).
 #pragma once
 
 #include <bit>

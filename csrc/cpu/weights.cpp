@@ -12,7 +12,7 @@
 //   from the input, bf16 widened in-register.
 //   The partial last block, and every block in the scalar module, takes the scalar loops, bf16 widened
 //   into a stack buffer first. Both give the same bits: the tests compare each path with the reference
-//   (tests/test_cpu_isa.py runs them on every path the CPU has), partial last blocks included. (GCC's
+//   (tests/ops/test_cpu_isa.py runs them on every path the CPU has), partial last blocks included. (GCC's
 //   own vectorisation of the scalar loops spilled mask registers and ran at about one value per cycle,
 //   which left the bf16 quantizers at 0.2-0.3x a copy.)
 // * absmax is a max over the integer bits of |x| (finite, non-negative floats order like their bits, and
@@ -280,7 +280,7 @@ void decode_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o) {
 // without remainders. They read fp32 or bf16 straight from the input (bf16 widened in-register: a zero
 // extension and a shift), which is what makes the bf16 path as fast per value as the fp32 one; GCC's
 // auto-vectorised form of the scalar loops spilled mask registers and ran at ~1 value per cycle.
-// The math is the scalar code's, bit for bit (tests/test_weight_kernels.py compares every code):
+// The math is the scalar code's, bit for bit (tests/quant/test_weight_kernels.py compares every code):
 // cvtps_epi32 rounds to nearest even (the default MXCSR mode) like rne(); min/max take the constant
 // first so that a NaN passes through as in the scalar clamps.
 namespace avx {

@@ -17,7 +17,7 @@
 //   left them scalar, with a branch on the random sign: ~7 ns per value for int8 and ~20 for fp8. The
 //   AVX2 path makes the random numbers in-register beside the codes (weights_sr.h). The absmax, the fp8
 //   round-to-nearest-even code and the neighbours' values come from avx512.h / avx2.h, shared with
-//   weights.cpp; tests/test_master_free.py holds every path to the reference bit for bit.
+//   weights.cpp; tests/quant/test_master_free.py holds every path to the reference bit for bit.
 // * The per-block work (absmax, scale, encode) lives in weights_sr.h with a block-local interface
 //   (the block's first value, code and random counter), so master_free.cpp runs it on a block it has
 //   just updated in a stack buffer.

@@ -5,7 +5,7 @@
 // no device code, so the .cu files compile with nvcc alone and the bindings with the host compiler.
 // Every entry point only enqueues work on `stream` (no synchronisation) unless its comment says so;
 // the bindings validate shapes, dtypes and devices before calling, the kernels trust them.
-// tests/test_cuda_compiles.py checks that every ppq_cuda:: symbol a binding uses is defined by a .cu file.
+// tests/ops/test_cuda_compiles.py checks that every ppq_cuda:: symbol a binding uses is defined by a .cu file.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -24,7 +24,7 @@ bit), and the states are normalised by the block's reciprocal, as its CUDA kerne
 a tie goes to the lower code; an all-zero block divides by 1. Against bitsandbytes' own CPU kernel the
 parameters agree to ~1e-5 of a step and a few percent of the codes differ, by one step of the map
 where a value lies within rounding of a midpoint (near zero, where the steps are ~1e-6 of the absmax,
-by up to three) (``tests/test_adam8bit.py``). The C++ kernel follows the reference's operations in the
+by up to three) (``tests/quant/test_adam8bit.py``). The C++ kernel follows the reference's operations in the
 same order (the square root correctly rounded: ``_sqrt``): the two agree bit for bit.
 
 ``optimizer_class("adam8bit" | "adamw8bit")`` gives bitsandbytes' optimizers (same state, ``state_dict``

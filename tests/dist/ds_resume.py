@@ -26,6 +26,12 @@ import deepspeed_ppq
 from deepspeed_ppq.integrations.pipe_module import PPQPipelineModule
 
 MB, GAS = 2, 2
+# tests/golden/resume_v<format>: the checkpoints the save-golden mode wrote with these settings, after
+# GOLDEN_STEPS steps, when the state files were at format 1 and 2
+GOLDEN_PPQ = {"activations": {"method": "quant", "bits": 4},
+              "gradients": {"method": "quant", "bits": 8, "error_feedback": "ef"},
+              "aqsgd": {"enabled": True, "warmup_steps": 1}}
+GOLDEN_STEPS = 3
 
 
 def build(ppq: dict, boundaries=(0, 3, 7), optimizer: str = "adam"):
@@ -83,8 +89,6 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(1)
     if sys.argv[1] == "save-golden":  # tests/golden/resume_v<format> (see tests/golden/README.md)
-        from test_reliability_resume import GOLDEN_PPQ, GOLDEN_STEPS
-
         engine = build(GOLDEN_PPQ)
         train(engine, range(GOLDEN_STEPS))
         engine.save_checkpoint(sys.argv[2], tag="golden")

@@ -1,6 +1,6 @@
 """Rank script: megatron-core's real pipeline schedules with PPQP2PCommunicator, against a reference.
 
-Run by tests/test_megatron_p2p.py through tests/dist_utils.run_ranks on 2 gloo ranks (PP=2, TP=1).
+Run by tests/megatron/test_megatron_p2p.py through tests/dist_utils.run_ranks on 2 gloo ranks (PP=2, TP=1).
 argv[1] is a JSON list of cases; each case is
     {"name", "ppq": {...ppq section...}, "route": "install"|"explicit", "batch": bool,
      "interleaved": bool, "steps": int, "dict_batches": bool}

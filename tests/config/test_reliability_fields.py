@@ -154,7 +154,9 @@ CODEC_RUNS = {  # field -> (case, base, observable), per direction ("act"/"grad"
     "group_size": ("group8", "group16", "wire_bytes"),
     "topk_ratio": ("topk50", "topk25", "wire_bytes"),
 }
-GRADIENT_CANDIDATES = "tests/test_autotune_config.py::test_gradient_candidates_reach_the_planning_problem"
+GRADIENT_CANDIDATES = ("tests/autotune/test_autotune_config.py::"
+                       "test_gradient_candidates_reach_the_planning_problem")
+BACK_OFF = "tests/autotune/test_autotune_planner.py::test_back_off_removes_most_sensitive_format_then_codecs"
 FIELDS: dict[str, Any] = {
     "weights.format": Run("int8", "plain", differs=("low_bit.format", "losses")),
     "weights.block_size": Run("int8_b16_bf16", "int8", differs=("low_bit.block_size", "losses")),
@@ -203,16 +205,17 @@ FIELDS: dict[str, Any] = {
     "aqsgd.num_samples": Run("aq_disk_b", "aq_disk_a", differs=("files.size",)),
     "warmup_steps": Run("q8_warm", "q8", differs=("traffic.0.grad.wire_bytes", "traffic.0.act.wire_bytes")),
     "nonfinite": Run("q8_nan_skip", "q8_nan", differs=("error", "skipped")),
-    "watchdog_timeout_s": Shown("tests/test_reliability_watchdog.py::test_stopped_stage_stops_the_other",
+    "watchdog_timeout_s": Shown("tests/integrations/test_reliability_watchdog.py::"
+                                "test_stopped_stage_stops_the_other",
                                 "a 3 s limit stops the waiting rank, naming ppq.watchdog_timeout_s=3"),
     "partition.method": Run("opt8_uniform", "plain", differs=("parts",)),
     "partition.boundaries": Run("explicit_2", "explicit_4", differs=("parts",)),
-    "plan_file": Shown("tests/test_autotune_cli.py::test_tune_the_example_script_then_train_with_the_plan",
-                       "the script trains at the plan's stage boundaries and thread count"),
+    "plan_file": Shown("tests/cli/test_autotune_cli.py::test_tune_the_example_script_then_train_with_the_"
+                       "plan", "the script trains at the plan's stage boundaries and thread count"),
     # the tuner: one real tune with TUNE's settings
     "autotune.seeds": Tune(lambda r: len(r["seed_losses"]) == 2, "2 baseline quality runs (default 3)"),
     "autotune.quality_steps": Shown(
-        "tests/test_autotune_cli.py::test_tune_the_example_script_then_train_with_the_plan",
+        "tests/cli/test_autotune_cli.py::test_tune_the_example_script_then_train_with_the_plan",
         "quality runs train quality_steps steps (autotune/loop.py quality())"),
     "autotune.trial_steps": Tune(lambda r: r["trial_steps"] == [3], "each trial times 3 steps (default 10)"),
     "autotune.warmup_steps": Tune(lambda r: r["trial_warmup"] == [1], "trials leave 1 step out (default 2)"),
@@ -226,8 +229,9 @@ FIELDS: dict[str, Any] = {
     "autotune.formats": Tune(lambda r: r["profile_formats"] == ["nf4", "none"],
                              "the profile measures nf4 (default int8)"),
     "autotune.profile_cache": Tune(lambda r: r["profile_cache_bytes"] > 0, "the profile is kept in the file"),
-    "autotune.profile_reps": Shown("tests/test_reliability_fields.py::test_profile_reps_is_the_number_of_"
-                                   "timed_runs", "each layer timing is the median of profile_reps runs"),
+    "autotune.profile_reps": Shown("tests/config/test_reliability_fields.py::test_profile_reps_is_the_"
+                                   "number_of_timed_runs",
+                                   "each layer timing is the median of profile_reps runs"),
     "autotune.out_dir": Tune(lambda r: {"plan.json", "report.md", "tune.json"} <= set(r["files"]),
                              "plan, report and result land in out_dir"),
     "autotune.val_loss_tolerance": Tune(_gate_limit, "the gate's limit is the seeds' mean x 1.5"),
@@ -240,38 +244,40 @@ FIELDS: dict[str, Any] = {
                                       "a measured peak 10% over the budget fits with 0.2, not with 0.05"),
     "autotune.max_iterations": Bound(lambda r: r["iterations"] <= 1, "at most 1 plan tried"),
     "autotune.ab_repeats": Bound(lambda r: r["ab_runs"] <= 1, "no alternating A/B runs"),
-    "autotune.ladder": Shown("tests/test_demo.py::test_quick_demo_end_to_end",
+    "autotune.ladder": Shown("tests/e2e/test_demo.py::test_quick_demo_end_to_end",
                              "the demo tunes with ladder=true: rungs measured and plotted when tuned"),
     "autotune.schedules": Refused({"autotune": {"schedules": ["zigzag"]}}, r"ppq\.autotune\.schedules\.0="),
-    **{f"autotune.{f}": Shown("tests/test_autotune_config.py::test_settings_reach_the_planning_problem",
-                              "reaches the planning problem; tests/test_autotune_planner.py plans with it")
+    **{f"autotune.{f}": Shown("tests/autotune/test_autotune_config.py::test_settings_reach_the_planning_"
+                              "problem",
+                              "reaches the planning problem; tests/autotune/test_autotune_planner.py plans "
+                              "with it")
        for f in ("memory_budget", "micro_batch_sizes", "pipeline_degrees", "allow_recompute",
                  "optimizer_8bit", "master_free", "min_activation_bits", "activation_codecs")},
     "autotune.min_gradient_bits": Shown(GRADIENT_CANDIDATES, "candidates below it are dropped"),
     "autotune.gradient_codecs": Shown(GRADIENT_CANDIDATES, "the candidates the planner chooses from"),
     # a candidate codec becomes the plan's ppq.activations / ppq.gradients: the fields above
-    "autotune.activation_codecs[].*": Shown("tests/test_autotune_planner.py::test_back_off_removes_most_"
-                                            "sensitive_format_then_codecs", "as activations.*, once chosen"),
-    "autotune.gradient_codecs[].*": Shown("tests/test_autotune_planner.py::test_back_off_removes_most_"
-                                          "sensitive_format_then_codecs", "as gradients.*, once chosen"),
+    "autotune.activation_codecs[].*": Shown(BACK_OFF, "as activations.*, once chosen"),
+    "autotune.gradient_codecs[].*": Shown(BACK_OFF, "as gradients.*, once chosen"),
 }
 
 # -- the table: every --ppq-* flag of the Megatron launcher -----------------------------------------
-P2P = "tests/test_megatron_p2p.py::test_gradients_match_single_process_reference"
+P2P = "tests/megatron/test_megatron_p2p.py::test_gradients_match_single_process_reference"
 CHANNEL = ("megatron-core's schedules send through the same BoundaryChannel as the DeepSpeed engine, "
            "against the single-process reference")
-LAYERS = "tests/test_megatron_layers.py::test_policy_keeps_first_last_blocks_and_output_layer"
+LAYERS = "tests/megatron/test_megatron_layers.py::test_policy_keeps_first_last_blocks_and_output_layer"
 SHARED_LINEAR = ("QuantParallelLinear is a QuantLinear built from the same WeightsConfig (the DeepSpeed "
                  "run above shows the field); ")
+MEGATRON_RUN, MEGATRON_ARGS = "tests/megatron/test_megatron_run.py", "tests/megatron/test_megatron_args.py"
 DEEPSPEED_ONLY = r"ppq settings that only the DeepSpeed path carries out:\n  {}"
 FLAGS: dict[str, Any] = {
-    "--ppq-weights-format": Shown("tests/test_megatron_run.py::test_gpt_pp2_trains_with_int8_weights_and_"
-                                  "8bit_activations", "int8 layers on both ranks"),
+    "--ppq-weights-format": Shown(f"{MEGATRON_RUN}::test_gpt_pp2_trains_with_int8_weights_and_8bit_"
+                                  "activations",
+                                  "int8 layers on both ranks"),
     "--ppq-weights-block-size": Shown(LAYERS, SHARED_LINEAR + "block 32 there"),
     "--ppq-weights-scale-dtype": Shown(LAYERS, SHARED_LINEAR + "scale dtype"),
     "--ppq-weights-double-quant": Shown(LAYERS, SHARED_LINEAR + "scale codes"),
-    "--ppq-weights-fp8-scale": Shown("tests/test_megatron_args.py::test_prepare_strips_ppq_flags_and_adds_te_"
-                                     "fp8_flags", "--fp8-recipe tensorwise with Transformer Engine"),
+    "--ppq-weights-fp8-scale": Shown(f"{MEGATRON_ARGS}::test_prepare_strips_ppq_flags_and_adds_te_fp8_flags",
+                                     "--fp8-recipe tensorwise with Transformer Engine"),
     "--ppq-weights-mode": Shown(LAYERS, SHARED_LINEAR + "frozen: LoRA adapters beside the codes"),
     "--ppq-weights-master": Refused(["--ppq-weights-format", "int8", "--ppq-weights-master", "none"],
                                     DEEPSPEED_ONLY.format("--ppq-weights-master none")),
@@ -279,7 +285,7 @@ FLAGS: dict[str, Any] = {
     "--ppq-weights-lora-alpha": Shown(LAYERS, SHARED_LINEAR + "adapter scale"),
     "--ppq-weights-keep-first-blocks": Shown(LAYERS, "global layer numbers across stages"),
     "--ppq-weights-keep-last-blocks": Shown(LAYERS, "global layer numbers across stages"),
-    "--ppq-weights-rules": Shown("tests/test_megatron_args.py::test_plan_file_becomes_megatron_flags",
+    "--ppq-weights-rules": Shown(f"{MEGATRON_ARGS}::test_plan_file_becomes_megatron_flags",
                                  "per-layer rules on decoder.layers.<i>"),
     "--ppq-weights-optimizer-8bit": Refused(["--ppq-weights-optimizer-8bit"],
                                             DEEPSPEED_ONLY.format("--ppq-weights-optimizer-8bit")),
@@ -291,7 +297,7 @@ FLAGS: dict[str, Any] = {
     "--ppq-activations-reuse-indices": Refused(["--no-ppq-activations-reuse-indices"],
                                                r"activations: reuse_indices=false has no effect"),
     "--ppq-activations-compress-eval": Shown(
-        "tests/test_megatron_p2p.py::test_aqsgd_outside_a_wrapped_schedule_names_the_way_in",
+        "tests/megatron/test_megatron_p2p.py::test_aqsgd_outside_a_wrapped_schedule_names_the_way_in",
         "Megatron's BoundaryCodecs asks the channel's codec_mode, as DeepSpeed does: an evaluation sends "
         "4-bit activations as a payload"),
     "--ppq-gradients-compress-eval": Refused(["--ppq-gradients-compress-eval"],
@@ -306,11 +312,11 @@ FLAGS: dict[str, Any] = {
                              "send (p2p.py raise_if_flagged), skip hands megatron-core the NaN"),
     "--ppq-watchdog-timeout-s": Refused(["--ppq-watchdog-timeout-s", "60"],
                                         DEEPSPEED_ONLY.format("--ppq-watchdog-timeout-s")),
-    "--ppq-partition-method": Shown("tests/test_megatron_run.py::test_partition_flags_move_the_stage_"
-                                    "boundary", "explicit boundaries become the layout"),
-    "--ppq-partition-boundaries": Shown("tests/test_megatron_run.py::test_partition_flags_move_the_stage_"
-                                        "boundary", "the first stage holds the given layers"),
-    "--ppq-plan-file": Shown("tests/test_megatron_args.py::test_plan_file_becomes_megatron_flags",
+    "--ppq-partition-method": Shown(f"{MEGATRON_RUN}::test_partition_flags_move_the_stage_boundary",
+                                    "explicit boundaries become the layout"),
+    "--ppq-partition-boundaries": Shown(f"{MEGATRON_RUN}::test_partition_flags_move_the_stage_boundary",
+                                        "the first stage holds the given layers"),
+    "--ppq-plan-file": Shown(f"{MEGATRON_ARGS}::test_plan_file_becomes_megatron_flags",
                              "the plan's layout, batch sizes and per-layer formats"),
     "--ppq-autotune-*": Refused(["--ppq-autotune-seeds", "5"], DEEPSPEED_ONLY.format(r"--ppq-autotune-\*")),
 }

@@ -15,7 +15,7 @@ import pytest
 
 from deepspeed_ppq.config import PPQConfigError, load_ppq_config
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 JSONS = sorted(CONFIGS.rglob("*.json"))
 SCRIPTS = sorted({*CONFIGS.rglob("*.sh"), *CONFIGS.rglob("*.sbatch")})
 # Keys that make a JSON file a DeepSpeed config (as opposed to a plan, a schema or a bare "ppq" section).

@@ -10,15 +10,14 @@ through both warm-ups (``ppq.warmup_steps``, ``aqsgd.warmup_steps``) before comp
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import ROOT, run_ranks
 
 from deepspeed_ppq.config import PPQConfigError
 
-SCRIPT = Path(__file__).parent / "mcore" / "p2p_ranks.py"
+SCRIPT = ROOT / "tests" / "mcore" / "p2p_ranks.py"
 SHAPE = (4, 2, 16)  # (seq, micro-batch, hidden) in p2p_ranks.py
 
 CASES = [

@@ -17,7 +17,7 @@
   with another signature than the .cu file defines fails here, not at import on a GPU machine.
 * Every ``ppq::`` op with a C++ CPU kernel also has a CUDA binding.
 
-What cannot run here: loading the library and the kernels themselves (tests/test_cuda_kernels.py, marked
+What cannot run here: loading the library and the kernels themselves (tests/ops/test_cuda_kernels.py, marked
 ``gpu``, does that on a machine with a GPU and a CUDA build of PyTorch).
 """
 
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CU_FILES = sorted((ROOT / "csrc").rglob("*.cu"))
 CPP_FILES = sorted((ROOT / "csrc" / "cuda").glob("*.cpp"))
 ARCHS = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]

@@ -9,17 +9,15 @@ False; with them, True.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from dist_utils import run_ranks
+from dist_utils import ROOT, run_ranks
 
-HERE = Path(__file__).parent
+MCORE = ROOT / "tests" / "mcore"  # the rank scripts
 
 
 @pytest.fixture(scope="module")
 def optim_results():
-    return run_ranks(HERE / "mcore" / "optim_rank.py", 2, ["fixed"], timeout=300)
+    return run_ranks(MCORE / "optim_rank.py", 2, ["fixed"], timeout=300)
 
 
 @pytest.fixture(scope="module")

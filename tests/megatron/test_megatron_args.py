@@ -197,7 +197,7 @@ def test_configs_megatron_command_lines_are_valid():
     import shlex
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent / "configs" / "megatron"
+    root = Path(__file__).resolve().parents[2] / "configs" / "megatron"
     text = (root / "pretrain_gpt_ppq.sh").read_text()
     block = text[text.index("ARGS=(") + len("ARGS=("):text.index("\n)\n")]
     argv = shlex.split(block.replace('"$DATA_PATH"', "d").replace('"$VOCAB"', "v").replace('"$MERGES"', "m")

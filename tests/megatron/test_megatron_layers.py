@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import ROOT, run_ranks
 
 from deepspeed_ppq.config import WeightsConfig
 from megatron_patches.layers import te_available, te_fp8_settings
 
-HERE = Path(__file__).parent
+MCORE = ROOT / "tests" / "mcore"  # the rank scripts
 
 
 @pytest.fixture(scope="module")
 def layers_result():
-    return run_ranks(HERE / "mcore" / "layers_rank.py", 1, timeout=300)[0]
+    return run_ranks(MCORE / "layers_rank.py", 1, timeout=300)[0]
 
 
 @pytest.mark.distributed

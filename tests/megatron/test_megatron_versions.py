@@ -30,10 +30,10 @@ import pytest
 
 from megatron_patches import compat
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NEWEST = "0.19.2"
-MEGATRON_TESTS = [f"tests/test_megatron_{name}.py" for name in ("args", "cpu_mode", "p2p", "layers", "optim",
-                                                                          "run")]
+MEGATRON_TESTS = [f"tests/megatron/test_megatron_{name}.py"
+                  for name in ("args", "cpu_mode", "p2p", "layers", "optim", "run")]
 # What the megatron tests import besides torch and megatron-core, at this project's pins.
 _PACKAGES = ("pydantic", "pydantic_core", "annotated-types", "typing-inspection", "typing_extensions",
              "einops", "packaging", "hypothesis", "sortedcontainers", "pytest", "pytest-timeout", "iniconfig",

@@ -42,9 +42,6 @@ def _plan(note: str, recompute_first: bool) -> Plan:
     """A plan for ds_pipe.py's model on 2 ranks at its own boundaries [0, 4, 7]; plans that differ in
     stage 0's recomputation only (nothing else the handshake compares) or in their notes only (the same
     plan, as each rank's planner writes it)."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "tests" / "dist"))
     from ds_pipe import make_layers
 
     from deepspeed_ppq.integrations.model_layers import layer_name, model_fingerprint

@@ -13,6 +13,7 @@ import json
 
 import pytest
 from dist_utils import ROOT, run_ranks
+from ds_resume import GOLDEN_PPQ, GOLDEN_STEPS  # the settings tests/golden/resume_v* were written with
 from test_reliability_nonfinite import CODECS
 
 from deepspeed_ppq.integrations.codec_state import FORMAT
@@ -23,12 +24,6 @@ RESUME["none"] = {}
 RESUME["aqsgd_disk"] = {**CODECS["aqsgd"], "aqsgd": {"enabled": True, "warmup_steps": 1, "storage": "disk",
                                                       "num_samples": 8}}
 RESUME["aqsgd"] = {**CODECS["aqsgd"], "aqsgd": {"enabled": True, "warmup_steps": 1}}
-# tests/golden/resume_v1: the checkpoint ds_resume.py's save-golden mode wrote after GOLDEN_STEPS steps
-# when the state files were at format 1
-GOLDEN_PPQ = {"activations": {"method": "quant", "bits": 4},
-              "gradients": {"method": "quant", "bits": 8, "error_feedback": "ef"},
-              "aqsgd": {"enabled": True, "warmup_steps": 1}}
-GOLDEN_STEPS = 3
 INT4 = {"activations": {"method": "quant", "bits": 4}, "gradients": {"method": "quant", "bits": 8}}
 # low-bit weights on ds_nonfinite.make_layers (Linear 0 on stage 0; Linear 4 and 6 on stage 1; the policy
 # takes the Linear layers, the most frequent kind, as the blocks): every Linear int8 at first

@@ -3,7 +3,8 @@
 The script (tests/mcore/pretrain_tiny_gpt.py) is a stand-in for Megatron-LM's pretrain_gpt.py that
 knows nothing about ppq and, like it, assumes CUDA (``model_parallel_cuda_manual_seed``, ``.cuda()``,
 megatron-core's own schedule without a communicator, as Megatron-LM's train_step calls it): it runs
-here only through the launcher's CPU mode. Megatron-LM's real script: tests/test_megatron_real_script.py.
+here only through the launcher's CPU mode. Megatron-LM's real script:
+tests/megatron/test_megatron_real_script.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 from dist_utils import ROOT, free_port, rank_env, run_ranks
 
-SCRIPT = str(Path(__file__).parent / "mcore" / "pretrain_tiny_gpt.py")
+SCRIPT = str(ROOT / "tests" / "mcore" / "pretrain_tiny_gpt.py")
 PPQ = ["--ppq-weights-format", "int8", "--ppq-activations-method", "quant", "--ppq-activations-bits", "8",
        "--ppq-gradients-method", "quant", "--ppq-gradients-bits", "8"]
 

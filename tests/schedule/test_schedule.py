@@ -16,7 +16,7 @@ from deepspeed_ppq.schedule import (
     validate_schedule,
 )
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 ALL = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("chimera", 1), ("deepspeed", 1)]
 
 

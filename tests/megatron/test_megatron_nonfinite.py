@@ -14,12 +14,11 @@ the codec state matters as much as the weights.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from dist_utils import run_ranks
+from dist_utils import ROOT, run_ranks
 
-SCRIPT = Path(__file__).parent / "mcore" / "nonfinite_rank.py"
+SCRIPT = ROOT / "tests" / "mcore" / "nonfinite_rank.py"
 CODECS = {"activations": {"method": "quant", "bits": 4, "error_feedback": "ef"},
           "gradients": {"method": "quant", "bits": 8, "error_feedback": "ef21"}}
 SKIP, ERROR = {**CODECS, "nonfinite": "skip"}, {**CODECS, "nonfinite": "error"}
