@@ -53,8 +53,8 @@ class _Side:
 
     role = ""
 
-    def __init__(self, cfg: CodecConfig, *, name: str, aqsgd: AQSGDConfig | None, direction: str,
-                 sample_dim: int = 0):
+    def __init__(self, cfg: CodecConfig, *, name: str, aqsgd: AQSGDConfig | None = None,
+                 direction: Literal["activations", "gradients"] = "activations", sample_dim: int = 0):
         if direction not in ("activations", "gradients"):
             raise ValueError(f"direction={direction!r}: use 'activations' or 'gradients'")
         ef = cfg.error_feedback
@@ -80,6 +80,7 @@ class _Side:
             raise ValueError(f"{name}: sample_dim={sample_dim} must be >= 0")
         self.sample_dim = sample_dim
         self.last_indices: torch.Tensor | None = None
+        self.last_nonfinite = False
 
     def _mode(self, training: bool, uncompressed: bool) -> str:
         """``raw``, ``plain`` (stateless codec) or ``stateful``."""
@@ -186,7 +187,6 @@ class BoundaryEncoder(_Side):
         if nonfinite not in ("error", "skip"):
             raise ValueError(f"nonfinite={nonfinite!r}: use 'error' or 'skip'")
         self.nonfinite = nonfinite
-        self.last_nonfinite = False
 
     @torch.no_grad()
     def encode(
@@ -306,18 +306,6 @@ class BoundaryDecoder(_Side):
     """
 
     role = "recv"
-
-    def __init__(
-        self,
-        cfg: CodecConfig,
-        *,
-        name: str,
-        aqsgd: AQSGDConfig | None = None,
-        direction: Literal["activations", "gradients"] = "activations",
-        sample_dim: int = 0,
-    ):
-        super().__init__(cfg, name=name, aqsgd=aqsgd, direction=direction, sample_dim=sample_dim)
-        self.last_nonfinite = False
 
     @torch.no_grad()
     def decode(
