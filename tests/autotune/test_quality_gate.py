@@ -191,16 +191,6 @@ def _train(data, seed: int, act: dict, grad: dict) -> tuple[float, int]:
     return loss, sum(b.train_channel.stats["gradients"]["wire_bytes"] for b in bounds)
 
 
-@pytest.fixture
-def one_thread():
-    # tiny matmuls: a second OpenMP thread costs more than it computes (and waits for a core when they
-    # are all busy)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.slow
 def test_gate_rejects_2bit_gradients_and_accepts_8bit_in_real_training(gpt_data, one_thread):
     none: dict = {}

@@ -42,16 +42,6 @@ def data():
     return xs, ys, vx, vy
 
 
-@pytest.fixture
-def one_thread():
-    # tiny matmuls: a second OpenMP thread costs more than it computes (and waits for a core when they
-    # are all busy)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _run(data, fmt: str | None, optimizer: str = "adam", master: str = "fp32",
          state_8bit: bool = False) -> tuple[float, float, int]:
     xs, ys, vx, vy = data
