@@ -7,7 +7,7 @@ result compares those with the plan's measured step time (``plan.measured_step_t
 median) and lists the memory model's error on every measured stage. Writes
 ``results/autotune_plan_reproduction.{md,json}``.
 
-    .venv/bin/python benchmarks/autotune/bench_plan_reproduction.py [--budget-mb 48] [--runs 3]
+    .venv/bin/python benchmarks/autotune/bench_plan_reproduction.py [--budget-mb 64] [--runs 3]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _port() -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--budget-mb", type=float, default=48)
+    p.add_argument("--budget-mb", type=float, default=64)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--steps", type=int, default=12)
     args = p.parse_args()
