@@ -109,6 +109,8 @@ def format_report(result: dict) -> str:
     if result.get("ladder"):
         t0 = result["ladder"][0]["run"]["measured_step_time"]
         lines += ["", "## The ladder: one feature at a time", "",
+                  "Each rung is one trial, timed on its own (the result above is the median of "
+                  "alternating runs, so it and the last rung differ by the machine's timing noise).", "",
                   "| rung | samples/s | vs stock | bubble | peak MiB per stage | val loss | configuration |",
                   "|---|---|---|---|---|---|---|"]
         for rec in result["ladder"]:
