@@ -93,7 +93,8 @@ def sweep_row(budget_mb: float, r: dict, unconstrained: dict | None) -> dict:
             "tuned": _plan_label(r["plan"]) if r["outcome"] == "tuned" else "(the stock configuration)",
             "tuned_ms": t_tuned * 1e3, "speedup": t_base / t_tuned, "stock_compromises": compromise,
             "tuned_peaks_mb": " / ".join(f"{m['total'] / 2**20:.1f}" for m in r["plan"]["measured_memory"]),
-            "noise_ratio": noise, "gate": r["gate"], "wall_s": r["wall_s"]}
+            "noise_ratio": noise, "gate": r["gate"], "wall_s": r["wall_s"],
+            "log": r.get("log", [])}  # why each plan was taken or refused
 
 
 def sweep_budgets(free: dict, n: int = 6) -> list[float]:
