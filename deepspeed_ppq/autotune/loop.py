@@ -481,6 +481,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
 
     ab = {"baseline": [base_run["measured_step_time"]], "tuned": []}
     chosen, outcome = base, "baseline"
+    stock_plan_won = False  # a tuned plan that is a stock configuration beat the baseline in the A/B
     if accepted is not None and same_configuration(accepted[0], base):
         note("the tuned plan is the best stock configuration itself: nothing to gain over it")
         accepted_same = True
@@ -495,13 +496,15 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
             ab["baseline"].append(runner.run_trial(base, settings, seed=0).step_time)
             ab["tuned"].append(runner.run_trial(plan, settings, seed=0).step_time)
         t_base, t_tuned = statistics.median(ab["baseline"]), statistics.median(ab["tuned"])
-        plan.measured_step_time = t_tuned
+        # what the user's run should see: every trial of this plan (the speedup compares the A/B alone)
+        plan.measured_step_time = statistics.median(
+            ab["tuned"] + ([run["measured_step_time"]] if settings.ab_repeats else []))
         plan.measured_memory = [st["measured_memory"] for st in run["stages"]]
         if is_stock_configuration(plan, partitions):
             # a configuration the stock search could have picked: the A/B only corrects its noisy pick
             outcome = "baseline"
-            if t_tuned < t_base:
-                chosen, base, base_run = plan, plan, run
+            if t_tuned < t_base:  # it keeps its own measured time (set above), not the old baseline's
+                chosen, base, base_run, stock_plan_won = plan, plan, run, True
             verdict = "faster" if chosen is plan else "slower"
             note(f"the tuned plan is itself a stock configuration ({verdict} in the A/B: "
                  f"{t_base * 1e3:.1f} vs {t_tuned * 1e3:.1f} ms): it claims nothing over stock DeepSpeed; "
@@ -534,8 +537,10 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
                  f"{run.get('quality_val_loss', run['val_loss']):.4f}")
     for rec in ladder:
         rec["bubble"] = measured_bubble(rec["run"])
-    if chosen is base:
-        base.measured_step_time = statistics.median(ab["baseline"])
+    if chosen is base and not stock_plan_won:
+        # every trial of the configuration, the accepted iteration's too when it is the same
+        base.measured_step_time = statistics.median(
+            ab["baseline"] + ([accepted[1]["measured_step_time"]] if accepted_same else []))
         base.measured_memory = [st["measured_memory"] for st in base_run["stages"]]
     return {
         "fingerprint": fingerprint,
