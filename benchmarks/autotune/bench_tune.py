@@ -78,10 +78,12 @@ def sweep_row(budget_mb: float, r: dict, unconstrained: dict | None) -> dict:
         return {"budget_mb": budget_mb, "error": r["error"]}
     ab = r["ab_step_times"]
     t_base = statistics.median(ab["baseline"])
+    t_ab = statistics.median(ab["tuned"]) if ab["tuned"] else None
     # no plan beat the stock configuration: the user runs it, 1.00x by construction (the A/B of a
     # configuration against itself is the timing noise, kept as noise_ratio)
-    t_tuned = statistics.median(ab["tuned"]) if ab["tuned"] and r["outcome"] == "tuned" else t_base
-    noise = t_base / statistics.median(ab["tuned"]) if ab["tuned"] and r["outcome"] != "tuned" else None
+    tuned = r["outcome"] == "tuned" and t_ab is not None
+    t_tuned = t_ab if tuned else t_base
+    noise = t_base / t_ab if t_ab is not None and not tuned else None
     base = r["baseline"]["plan"]
     compromise = None
     if unconstrained is not None:  # recompute, or another micro-batch than the unconstrained fastest

@@ -34,6 +34,14 @@ def _module_path(isa: str) -> Path | None:
     return found[0] if found else None
 
 
+def _skip_unless_runnable(isa: str) -> None:
+    """Skip, saying why, when this CPU lacks ``isa`` or its module was not built."""
+    if isa not in SUPPORTED:
+        pytest.skip(f"this CPU lacks {isa} (it runs {', '.join(SUPPORTED)})")
+    if _module_path(isa) is None:
+        pytest.skip(f"deepspeed_ppq._C_{isa} is not built (PPQ_CPU_ISAS / PPQ_MARCH build)")
+
+
 def _env(**kw) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PPQ_CPU_ISA", "PPQ_FORCE_REFERENCE")}
     env.update(kw, DS_ACCELERATOR="cpu")
@@ -75,10 +83,7 @@ def test_missing_isa_is_refused(isa):
 @needs_native
 @pytest.mark.parametrize("isa", ops.CPU_ISAS)
 def test_forced_path_loads_and_reports(isa):
-    if isa not in SUPPORTED:
-        pytest.skip(f"this CPU lacks {isa} (it runs {', '.join(SUPPORTED)})")
-    if _module_path(isa) is None:
-        pytest.skip(f"deepspeed_ppq._C_{isa} is not built (PPQ_CPU_ISAS / PPQ_MARCH build)")
+    _skip_unless_runnable(isa)
     code = (
         "import deepspeed_ppq.ops as o; from deepspeed_ppq.env_report import collect_report as c; "
         "print(o.cpu_isa(), c()['cpu_isa'])"
@@ -93,10 +98,7 @@ def test_forced_path_loads_and_reports(isa):
 @needs_native
 @pytest.mark.parametrize("isa", ops.CPU_ISAS)
 def test_kernels_match_reference_on_every_path(isa):
-    if isa not in SUPPORTED:
-        pytest.skip(f"this CPU lacks {isa} (it runs {', '.join(SUPPORTED)})")
-    if _module_path(isa) is None:
-        pytest.skip(f"deepspeed_ppq._C_{isa} is not built (PPQ_CPU_ISAS / PPQ_MARCH build)")
+    _skip_unless_runnable(isa)
     if isa == ops.cpu_isa():
         pytest.skip(f"{isa} is this process's path: the kernel test files test it in-process")
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS]
