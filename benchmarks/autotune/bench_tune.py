@@ -68,14 +68,24 @@ def _plan_label(plan: dict) -> str:
             + "".join(f", {k} {c['method']}{c.get('bits', '')}" for k, c in codecs if c["method"] != "none"))
 
 
+def _peaks_of(memory: list[dict]) -> str:
+    return " / ".join(f"{m['total'] / 2**20:.1f}" for m in memory)
+
+
 def _peaks(run: dict) -> str:
-    return " / ".join(f"{st['measured_memory']['total'] / 2**20:.1f}" for st in run["stages"])
+    return _peaks_of([st["measured_memory"] for st in run["stages"]])
 
 
 def sweep_row(budget_mb: float, r: dict, unconstrained: dict | None) -> dict:
     """One budget's result: the measured best stock, the tuned plan, the A/B medians."""
     if "error" in r:
         return {"budget_mb": budget_mb, "error": r["error"]}
+    if r["outcome"] == "stock_does_not_fit":  # no stock run to compare with: no speedup
+        return {"budget_mb": budget_mb, "outcome": r["outcome"], "stock": "cannot train at this budget",
+                "stock_smallest_peaks_mb": _peaks(r["baseline"]["run"]), "tuned": _plan_label(r["plan"]),
+                "tuned_ms": r["plan"]["measured_step_time"] * 1e3,
+                "tuned_peaks_mb": _peaks_of(r["plan"]["measured_memory"]),
+                "gate": r["gate"], "wall_s": r["wall_s"], "log": r.get("log", [])}
     ab = r["ab_step_times"]
     t_base = statistics.median(ab["baseline"])
     t_ab = statistics.median(ab["tuned"]) if ab["tuned"] else None
@@ -94,7 +104,7 @@ def sweep_row(budget_mb: float, r: dict, unconstrained: dict | None) -> dict:
             "stock_peaks_mb": _peaks(r["baseline"]["run"]), "outcome": r["outcome"],
             "tuned": _plan_label(r["plan"]) if r["outcome"] == "tuned" else "(the stock configuration)",
             "tuned_ms": t_tuned * 1e3, "speedup": t_base / t_tuned, "stock_compromises": compromise,
-            "tuned_peaks_mb": " / ".join(f"{m['total'] / 2**20:.1f}" for m in r["plan"]["measured_memory"]),
+            "tuned_peaks_mb": _peaks_of(r["plan"]["measured_memory"]),
             "noise_ratio": noise, "gate": r["gate"], "wall_s": r["wall_s"],
             "log": r.get("log", [])}  # why each plan was taken or refused
 
@@ -156,6 +166,11 @@ def _markdown(w, m: dict, ladder: dict | None, rows: list[dict], budget_ref: flo
             if "error" in x:
                 md.append(f"| {x['budget_mb']:g} | {x['error']} | | | | | | |")
                 continue
+            if x["outcome"] == "stock_does_not_fit":
+                md.append(f"| {x['budget_mb']:g} | none fits (the smallest measured "
+                          f"{x['stock_smallest_peaks_mb']} MiB) | - | cannot train | {x['tuned']} | "
+                          f"{x['tuned_ms']:.0f} | only the plan trains | - / {x['tuned_peaks_mb']} |")
+                continue
             md.append(f"| {x['budget_mb']:g} | {x['stock']} | {x['stock_ms']:.0f} | "
                       f"{'yes' if x['stock_compromises'] else 'no'} | {x['tuned']} | {x['tuned_ms']:.0f} | "
                       f"{x['speedup']:.2f}x | {x['stock_peaks_mb']} / {x['tuned_peaks_mb']} |")
@@ -167,6 +182,10 @@ def _markdown(w, m: dict, ladder: dict | None, rows: list[dict], budget_ref: flo
                    if comp else "",
                    f"best {max(x['speedup'] for x in ok):.2f}x; mean over all {len(ok)} budgets "
                    f"{statistics.mean(x['speedup'] for x in ok):.2f}x."]
+        alone = [x["budget_mb"] for x in rows if x.get("outcome") == "stock_does_not_fit"]
+        if alone:
+            md.append(f"Where no stock configuration fits ({', '.join(f'{b:g}' for b in alone)} MiB) "
+                      "only the low-bit plan trains.")
     return "\n".join(md) + "\n"
 
 
@@ -182,6 +201,11 @@ def _plot(w, rows: list[dict], path: Path) -> None:
     for x in ok:
         if x["stock_compromises"]:
             ax.plot(x["budget_mb"], x["speedup"], "o", mfc="none", ms=12, color="tab:red")
+    for x in rows:
+        if x.get("outcome") == "stock_does_not_fit":
+            ax.axvline(x["budget_mb"], color="tab:gray", ls=":", lw=1)
+            ax.annotate("only the plan\ntrains", (x["budget_mb"], 1.0), fontsize=7, color="tab:gray",
+                        xytext=(3, 6), textcoords="offset points")
     ax.axhline(1.0, color="k", lw=0.8, label="best measured stock configuration")
     ax.set_xlabel("per-stage memory budget, MiB (measured peak)")
     ax.set_ylabel("samples/s over best stock")
@@ -228,7 +252,7 @@ def main() -> int:
             "machine": m, "workload": name,
             "ladder": ladder_rows(ladder) if ladder and "error" not in ladder else ladder,
             "ladder_log": (ladder or {}).get("log"), "sweep": rows, "unconstrained_stock": unconstrained}, md)
-        if any("speedup" in x for x in rows):
+        if any("speedup" in x or "tuned_ms" in x for x in rows):
             _plot(w, rows, Path(RESULTS) / f"autotune_{name}_sweep.png")
         print(md)
     return 0

@@ -9,7 +9,9 @@
    ``stock_trials`` that fit, the search goes on while the next candidate that the model says fits is
    predicted within ``stock_margin`` of the best measured. The fastest whose *measured* peak fits the
    budget is the baseline. Its validation loss is measured over ``seeds`` seeds: the quality gate's
-   noise.
+   noise. When no stock configuration fits (measured), stock DeepSpeed cannot train at this budget:
+   the one with the smallest measured peak, run over the budget, is the quality reference, and a plan
+   that passes the checks is the outcome (``"stock_does_not_fit"``) with no speedup claimed.
 3. **Calibrate**: the models as fitted to every measured stock trial.
 4. **Plan** jointly (``planner.plan_pipeline``): low-bit weights under the precision policy, 8-bit
    optimizer states, master-free weights, the memory they free spent on micro-batches and less
@@ -336,7 +338,8 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         The result: ``fingerprint``, ``profile``, ``stock`` (the search: candidates predicted, the
         ones measured), ``baseline`` (plan, run, seeds), ``calibration``, ``iterations``,
         ``accepted`` (a plan passed memory and quality), ``outcome`` (``"tuned"`` when it also ran
-        faster than the baseline, else ``"baseline"``) and ``plan`` (the faster of the two, with its
+        faster than the baseline, ``"stock_does_not_fit"`` when it is the only configuration that fits,
+        else ``"baseline"``), ``stock_fits`` and ``plan`` (the faster of the two, with its
         measurements: what ``plan.json`` holds), ``log``.
 
     Raises:
@@ -374,12 +377,24 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
             plan_pipeline(problem)
         except InfeasibleBudgetError as e:
             raise InfeasibleBudgetError(f"no configuration fits: {e}") from None
-        raise TuningError(
-            f"no stock configuration fits memory_budget={settings.memory_budget} B "
-            f"({fmt_mib(settings.memory_budget)}) per stage, though a low-bit plan would: the baseline "
-            "cannot be measured; raise the budget to the smallest stock need "
-            f"({fmt_mib(min(max(sp.peak_memory for sp in c.stages) for c in cands))})")
+        note(f"no stock configuration is predicted to fit memory_budget={settings.memory_budget} B "
+             f"({fmt_mib(settings.memory_budget)}) per stage (the smallest needs "
+             f"{fmt_mib(min(max(sp.peak_memory for sp in c.stages) for c in cands))}), a low-bit plan is")
     measured, runs, tried, stop = [], [], set(), "every stock candidate the model says fits was measured"
+
+    def measure_stock(plan: Plan) -> None:
+        nonlocal problem, time_cal, mem_cal
+        tried.add(plan.notes[0])
+        stamp(plan)
+        run = summarize(plan, runner.run_trial(plan, settings, seed=0))
+        over = over_budget(settings, run)
+        measured.append({"plan": plan.to_dict(), "run": run, "fits": not over, "over": over})
+        runs.append((plan, run))
+        note(f"{plan.notes[0]}: predicted {plan.predicted_step_time * 1e3:.1f} ms, measured "
+             f"{run['measured_step_time'] * 1e3:.1f} ms, peak {fmt_mib(run['peak_memory'])} (predicted "
+             f"{fmt_mib(max(sp.peak_memory for sp in plan.stages))})"
+             + (f" -- over budget: {'; '.join(over)}" if over else ""))
+        problem, time_cal, mem_cal = refit()  # the next pick is ranked by the refitted models
 
     def refit() -> tuple[PlanningProblem, dict, dict]:
         """The problem afresh from the profile, its time and memory models fitted to every trial so far."""
@@ -401,30 +416,30 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
             stop = (f"the next candidate ({plan.notes[0]}) is predicted {t_next * 1e3:.1f} ms, more than "
                     f"{settings.stock_margin:.0%} over the best measured ({min(done) * 1e3:.1f} ms)")
             break
-        tried.add(plan.notes[0])
-        stamp(plan)
-        run = summarize(plan, runner.run_trial(plan, settings, seed=0))
-        over = over_budget(settings, run)
-        measured.append({"plan": plan.to_dict(), "run": run, "fits": not over, "over": over})
-        runs.append((plan, run))
-        note(f"{plan.notes[0]}: predicted {plan.predicted_step_time * 1e3:.1f} ms, measured "
-             f"{run['measured_step_time'] * 1e3:.1f} ms, peak {fmt_mib(run['peak_memory'])} (predicted "
-             f"{fmt_mib(max(sp.peak_memory for sp in plan.stages))})"
-             + (f" -- over budget: {'; '.join(over)}" if over else ""))
-        problem, time_cal, mem_cal = refit()  # the next pick is ranked by the refitted models
+        measure_stock(plan)
     else:
         stop = f"{len(measured)} stock trials, the cap ({_STOCK_TRIAL_CAP} x stock_trials)"
     note(f"stock search: {len(measured)} configurations measured; stopped: {stop}")
     fits = [m for m in measured if m["fits"]]
-    if not fits:
-        raise TuningError(
-            "no measured stock configuration fits the budget; measured: "
-            + "; ".join(f"{m['plan']['notes'][0]}: {'; '.join(m['over'])}" for m in measured))
-    # the global batch is the same for every candidate: the fastest step is the most samples per second
-    best = min(fits, key=lambda m: m["run"]["measured_step_time"])
+    stock_fits = bool(fits)
+    if stock_fits:
+        # the global batch is the same for every candidate: the fastest step is the most samples per second
+        best = min(fits, key=lambda m: m["run"]["measured_step_time"])
+    else:
+        # stock DeepSpeed cannot train at this budget: the stock configuration with the smallest measured
+        # peak (run over the budget) is the quality reference; no speedup can be claimed over it
+        if not measured:
+            measure_stock(min(cands, key=lambda c: max(sp.peak_memory for sp in c.stages)))
+        best = min(measured, key=lambda m: m["run"]["peak_memory"])
     base = Plan.from_dict(best["plan"])
     base_run = best["run"]
-    note(f"baseline (best measured stock): {base.notes[0]}, {base_run['measured_step_time'] * 1e3:.1f} ms")
+    if stock_fits:
+        note(f"baseline (best measured stock): {base.notes[0]}, "
+             f"{base_run['measured_step_time'] * 1e3:.1f} ms")
+    else:
+        note(f"stock DeepSpeed cannot train at this budget: the smallest measured stock configuration, "
+             f"{base.notes[0]}, peaks at {fmt_mib(base_run['peak_memory'])} ({'; '.join(best['over'])}); "
+             "it is the quality reference, run over the budget")
 
     # 3. the models as fitted to every measured stock trial
     for plan, run in runs:
@@ -467,7 +482,18 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         if over:
             rec["back_off"] = "memory recalibrated: " + json.dumps(
                 calibrate.calibrate_memory(problem, [(plan, run)]))
-            note(f"over budget: {'; '.join(over)}; memory recalibrated, planning again")
+            # what the recalibrated model still misses of this plan's peak (the activations of a stage
+            # with recomputation are not refitted) is held back from the planner's budget, so the next
+            # plan is not the same one again
+            again = calibrate.predict(problem, plan)["memory"]
+            miss = max(st["measured_memory"]["total"] - sum(m.values())
+                       for st, m in zip(run["stages"], again))
+            if miss > 0:
+                problem.memory_budget = int(problem.memory_budget - miss)
+                rec["back_off"] += f"; {fmt_mib(miss)} held back from the planner's budget"
+            note(f"over budget: {'; '.join(over)}; memory recalibrated"
+                 + (f", {fmt_mib(miss)} the model still misses held back" if miss > 0 else "")
+                 + ", planning again")
             continue
         if ok_q:
             accepted = (plan, run)
@@ -479,69 +505,86 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
             break
         note(f"quality gate failed: back off: {change}")
 
-    ab = {"baseline": [base_run["measured_step_time"]], "tuned": []}
-    chosen, outcome = base, "baseline"
-    stock_plan_won = False  # a tuned plan that is a stock configuration beat the baseline in the A/B
-    if accepted is not None and same_configuration(accepted[0], base):
-        note("the tuned plan is the best stock configuration itself: nothing to gain over it")
-        accepted_same = True
-    else:
-        accepted_same = False
-    if accepted is not None and not accepted_same:
-        plan, run = accepted
-        ab["tuned"].append(run["measured_step_time"])
-        if settings.ab_repeats:  # alternate, and compare only these: load drifts hit both alike
-            ab = {"baseline": [], "tuned": []}
-        for _ in range(settings.ab_repeats):
-            ab["baseline"].append(runner.run_trial(base, settings, seed=0).step_time)
-            ab["tuned"].append(runner.run_trial(plan, settings, seed=0).step_time)
-        t_base, t_tuned = statistics.median(ab["baseline"]), statistics.median(ab["tuned"])
-        # what the user's run should see: every trial of this plan (the speedup compares the A/B alone)
-        plan.measured_step_time = statistics.median(
-            ab["tuned"] + ([run["measured_step_time"]] if settings.ab_repeats else []))
-        plan.measured_memory = [st["measured_memory"] for st in run["stages"]]
-        if is_stock_configuration(plan, partitions):
-            # a configuration the stock search could have picked: the A/B only corrects its noisy pick
-            outcome = "baseline"
-            if t_tuned < t_base:  # it keeps its own measured time (set above), not the old baseline's
-                chosen, base, base_run, stock_plan_won = plan, plan, run, True
-            verdict = "faster" if chosen is plan else "slower"
-            note(f"the tuned plan is itself a stock configuration ({verdict} in the A/B: "
-                 f"{t_base * 1e3:.1f} vs {t_tuned * 1e3:.1f} ms): it claims nothing over stock DeepSpeed; "
-                 "the faster of the two is the best stock configuration")
-        elif t_tuned < t_base:
-            chosen, outcome = plan, "tuned"
-            note(f"accepted: {t_base / t_tuned:.2f}x samples/s over the best stock configuration "
-                 f"({t_base * 1e3:.1f} -> {t_tuned * 1e3:.1f} ms)")
-        else:
-            note(f"the plan passed the checks but ran no faster than the best stock configuration "
-                 f"({t_base * 1e3:.1f} vs {t_tuned * 1e3:.1f} ms): the stock configuration is the plan")
     ladder = []
-    if settings.ladder and outcome == "tuned":
-        base_run["quality_val_loss"] = seed_losses[0]
-        ladder.append({"rung": "best stock configuration", "plan": base.to_dict(), "run": base_run})
-        previous = base
-        for label, rung in ladder_plans(problem, base, accepted[0], partitions):
-            if same_configuration(rung, previous):
-                continue  # this feature changes nothing here
-            previous = rung
-            stamp(rung)
-            if rung is accepted[0]:
-                run = accepted[1]
+    if not stock_fits:
+        if accepted is None:
+            raise TuningError(
+                "stock DeepSpeed cannot train at this budget (every stock configuration measured over it: "
+                + "; ".join(f"{m['plan']['notes'][0]}: {'; '.join(m['over'])}" for m in measured)
+                + ") and no plan passed the checks (see the iterations in the log)")
+        plan, run = accepted
+        ab = {"baseline": [], "tuned": [run["measured_step_time"]]}
+        for _ in range(settings.ab_repeats):  # the plan alone: its time is what the user's run sees
+            ab["tuned"].append(runner.run_trial(plan, settings, seed=0).step_time)
+        plan.measured_step_time = statistics.median(ab["tuned"])
+        plan.measured_memory = [st["measured_memory"] for st in run["stages"]]
+        note(f"accepted: stock DeepSpeed cannot train at this budget; the plan trains at "
+             f"{plan.measured_step_time * 1e3:.1f} ms per step (median of {len(ab['tuned'])}), peak "
+             f"{fmt_mib(run['peak_memory'])}")
+        chosen, outcome = plan, "stock_does_not_fit"
+    else:
+        ab = {"baseline": [base_run["measured_step_time"]], "tuned": []}
+        chosen, outcome = base, "baseline"
+        stock_plan_won = False  # a tuned plan that is a stock configuration beat the baseline in the A/B
+        if accepted is not None and same_configuration(accepted[0], base):
+            note("the tuned plan is the best stock configuration itself: nothing to gain over it")
+            accepted_same = True
+        else:
+            accepted_same = False
+        if accepted is not None and not accepted_same:
+            plan, run = accepted
+            ab["tuned"].append(run["measured_step_time"])
+            if settings.ab_repeats:  # alternate, and compare only these: load drifts hit both alike
+                ab = {"baseline": [], "tuned": []}
+            for _ in range(settings.ab_repeats):
+                ab["baseline"].append(runner.run_trial(base, settings, seed=0).step_time)
+                ab["tuned"].append(runner.run_trial(plan, settings, seed=0).step_time)
+            t_base, t_tuned = statistics.median(ab["baseline"]), statistics.median(ab["tuned"])
+            # what the user's run should see: every trial of this plan (the speedup compares the A/B alone)
+            plan.measured_step_time = statistics.median(
+                ab["tuned"] + ([run["measured_step_time"]] if settings.ab_repeats else []))
+            plan.measured_memory = [st["measured_memory"] for st in run["stages"]]
+            if is_stock_configuration(plan, partitions):
+                # a configuration the stock search could have picked: the A/B only corrects its noisy pick
+                outcome = "baseline"
+                if t_tuned < t_base:  # it keeps its own measured time (set above), not the old baseline's
+                    chosen, base, base_run, stock_plan_won = plan, plan, run, True
+                verdict = "faster" if chosen is plan else "slower"
+                note(f"the tuned plan is itself a stock configuration ({verdict} in the A/B: "
+                     f"{t_base * 1e3:.1f} vs {t_tuned * 1e3:.1f} ms): it claims nothing over stock "
+                     "DeepSpeed; the faster of the two is the best stock configuration")
+            elif t_tuned < t_base:
+                chosen, outcome = plan, "tuned"
+                note(f"accepted: {t_base / t_tuned:.2f}x samples/s over the best stock configuration "
+                     f"({t_base * 1e3:.1f} -> {t_tuned * 1e3:.1f} ms)")
             else:
-                run = summarize(rung, runner.run_trial(rung, settings, seed=0))
-                run["quality_val_loss"] = quality(rung, 0)
-            ladder.append({"rung": label, "plan": rung.to_dict(), "run": run})
-            note(f"ladder: {label}: {run['measured_step_time'] * 1e3:.1f} ms, peak "
-                 f"{fmt_mib(run['peak_memory'])}, val loss "
-                 f"{run.get('quality_val_loss', run['val_loss']):.4f}")
-    for rec in ladder:
-        rec["bubble"] = measured_bubble(rec["run"])
-    if chosen is base and not stock_plan_won:
-        # every trial of the configuration, the accepted iteration's too when it is the same
-        base.measured_step_time = statistics.median(
-            ab["baseline"] + ([accepted[1]["measured_step_time"]] if accepted_same else []))
-        base.measured_memory = [st["measured_memory"] for st in base_run["stages"]]
+                note(f"the plan passed the checks but ran no faster than the best stock configuration "
+                     f"({t_base * 1e3:.1f} vs {t_tuned * 1e3:.1f} ms): the stock configuration is the plan")
+        if settings.ladder and outcome == "tuned":
+            base_run["quality_val_loss"] = seed_losses[0]
+            ladder.append({"rung": "best stock configuration", "plan": base.to_dict(), "run": base_run})
+            previous = base
+            for label, rung in ladder_plans(problem, base, accepted[0], partitions):
+                if same_configuration(rung, previous):
+                    continue  # this feature changes nothing here
+                previous = rung
+                stamp(rung)
+                if rung is accepted[0]:
+                    run = accepted[1]
+                else:
+                    run = summarize(rung, runner.run_trial(rung, settings, seed=0))
+                    run["quality_val_loss"] = quality(rung, 0)
+                ladder.append({"rung": label, "plan": rung.to_dict(), "run": run})
+                note(f"ladder: {label}: {run['measured_step_time'] * 1e3:.1f} ms, peak "
+                     f"{fmt_mib(run['peak_memory'])}, val loss "
+                     f"{run.get('quality_val_loss', run['val_loss']):.4f}")
+        for rec in ladder:
+            rec["bubble"] = measured_bubble(rec["run"])
+        if chosen is base and not stock_plan_won:
+            # every trial of the configuration, the accepted iteration's too when it is the same
+            base.measured_step_time = statistics.median(
+                ab["baseline"] + ([accepted[1]["measured_step_time"]] if accepted_same else []))
+            base.measured_memory = [st["measured_memory"] for st in base_run["stages"]]
     return {
         "fingerprint": fingerprint,
         "settings": settings.model_dump(mode="json"),
@@ -558,6 +601,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         "iterations": iterations,
         "accepted": accepted is not None,
         "outcome": outcome,
+        "stock_fits": stock_fits,
         "plan": chosen.to_dict(),
         "ab_step_times": ab,
         "ladder": ladder,

@@ -99,6 +99,14 @@ def format_report(result: dict) -> str:
         lines.append(f"**Result: {t_base / t_tuned:.2f}x samples/s** over the best measured stock DeepSpeed "
                      f"configuration ({t_base * 1e3:.1f} -> {t_tuned * 1e3:.1f} ms per step, medians of "
                      f"{len(ab['baseline'])} and {len(ab['tuned'])} alternating runs).")
+    elif result.get("outcome") == "stock_does_not_fit":
+        ref = base["run"]
+        lines.append(f"**Stock DeepSpeed cannot train at this budget**: the smallest stock configuration "
+                     f"measured a peak of {_mib(ref['peak_memory'])} MiB per stage; the plan trains at "
+                     f"{statistics.median(ab['tuned']) * 1e3:.1f} ms per step (median of {len(ab['tuned'])} "
+                     "runs) within the budget. No speedup is claimed: there is no stock run to compare "
+                     "with. The quality gate's reference is that smallest stock configuration, run over the "
+                     "budget.")
     elif result["accepted"]:
         lines.append("**No gain over stock DeepSpeed**: the plan that passed the checks is a stock "
                      "configuration or ran no faster than the best one (see the log); plan.json holds the "
@@ -150,8 +158,9 @@ def format_report(result: dict) -> str:
                         f"{'yes' if m['fits'] else 'no'} |" if m
                         else f"- | - | {'(yes)' if c['fits'] else 'no'} |"))
     lines.append("")
-    lines += _plan_section("Baseline: the best measured stock configuration", base["plan"], base["run"],
-                           budget)
+    title = ("Baseline: the best measured stock configuration" if result.get("stock_fits", True) else
+             "Quality reference: the stock configuration with the smallest measured peak (over the budget)")
+    lines += _plan_section(title, base["plan"], base["run"], budget)
     for rec in result["iterations"]:
         verdict = "accepted" if rec["accepted"] else f"rejected ({rec.get('back_off') or 'over budget'})"
         lines += _plan_section(f"Iteration {rec['iteration']}: {verdict}", rec["plan"], rec["run"], budget)

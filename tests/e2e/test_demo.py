@@ -37,3 +37,29 @@ def test_quick_demo_end_to_end(tmp_path):
     plan = json.loads((tmp_path / "tune" / "plan.json").read_text())
     a, b = plan["derived"]["boundaries"][:2]
     assert f"stage=0 layers={b - a} [{a}, {b})" in train_log  # the training run holds the plan
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_budget_below_every_stock_configuration(tmp_path):
+    """At 6.2 MiB per stage no stock configuration of the quick workload fits (the smallest measures
+    ~7 MiB) while its low-bit plan does (~5.8 MiB): the tuner says stock DeepSpeed cannot train there,
+    gates the plan against the smallest stock configuration run over the budget, and the user's run
+    trains with the plan."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, str(ROOT / "examples" / "demo" / "run_demo.py"), "--quick",
+                          "--budget-mb", "6.2", "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    result = json.loads((tmp_path / "tune" / "tune.json").read_text())
+    assert result["outcome"] == "stock_does_not_fit" and not result["stock_fits"]
+    limit = result["settings"]["memory_budget"] * (1 + result["settings"]["memory_tolerance"])
+    assert all(not m["fits"] for m in result["stock"]["measured"])
+    assert result["baseline"]["run"]["peak_memory"] > limit  # the quality reference ran over the budget
+    plan = result["plan"]
+    assert {f for st in plan["stages"] for f in st["formats"]} - {"none"}  # low-bit weights make it fit
+    assert all(m["total"] <= limit for m in plan["measured_memory"])
+    assert result["ladder"] == [] and result["ab_step_times"]["baseline"] == []  # nothing to compare with
+    report = (tmp_path / "tune" / "report.md").read_text()
+    assert "**Stock DeepSpeed cannot train at this budget**" in report.split("## Stock search")[0]
+    assert "step time: median" in (tmp_path / "train.log").read_text()
