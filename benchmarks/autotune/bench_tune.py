@@ -41,6 +41,7 @@ from _harness import RESULTS, loadavg, machine, machine_line, write_report  # no
 from workloads import SCRIPT, ds_config, script_args, settings  # noqa: E402
 
 from deepspeed_ppq.autotune.loop import measured_bubble  # noqa: E402
+from deepspeed_ppq.autotune.plan import Plan  # noqa: E402
 
 
 def _tune(w, budget_mb: float, out: Path, model: list[str], autotune: dict) -> dict:
@@ -61,7 +62,7 @@ def _tune(w, budget_mb: float, out: Path, model: list[str], autotune: dict) -> d
 
 def _plan_label(plan: dict) -> str:
     fmts = sorted({f for s in plan["stages"] for f in s["formats"]} - {"none"}) or ["fp32"]
-    rec = ["on" if s["recompute"] else "off" for s in plan["stages"]]
+    rec = [s.recompute_label for s in Plan.from_dict(plan).stages]
     codecs = (("act", plan["activation_codec"]), ("grad", plan["gradient_codec"]))
     return (f"p={plan['pipeline_degree']} {plan['derived']['boundaries']}, {plan['micro_batch_size']} x "
             f"{plan['num_microbatches']}, recompute {'/'.join(rec)}, weights {'+'.join(fmts)}"

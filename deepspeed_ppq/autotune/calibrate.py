@@ -30,9 +30,9 @@ __all__ = ["calibrate_time", "calibrate_memory", "fit_link_and_slots", "predict"
 
 def stage_compute(problem: PlanningProblem, sp, b: int) -> float:
     t = 0.0
-    for layer in problem.layers[sp.layers[0] : sp.layers[1]]:
+    for i, layer in enumerate(problem.layers[sp.layers[0] : sp.layers[1]], start=sp.layers[0]):
         f, bi, bw = layer.time("none", b)
-        t += f * (2 if sp.recompute and layer.recomputable else 1) + bi + bw
+        t += f * (2 if sp.recomputes(i) and layer.recomputable else 1) + bi + bw
     return t
 
 
@@ -117,7 +117,7 @@ def fit_link_and_slots(problem: PlanningProblem, runs: list[tuple[Plan, dict]]) 
                 NO_CODEC,
                 plan.optimizer_8bit,
             )
-            stages = [StageChoice(*sp.layers, "none", sp.recompute) for sp in plan.stages]
+            stages = [StageChoice(*sp.layers, "none", sp.recompute, sp.keep_last) for sp in plan.stages]
             return evaluate_stages(problem, k, stages)["step_time"]
         finally:
             problem.link = saved
@@ -171,7 +171,7 @@ def _knobs_stages(problem: PlanningProblem, plan: Plan):
     for sp in plan.stages:
         low = sorted({f for f in sp.formats if f != "none"})
         levels.append(low[0] if len(low) == 1 else "none")
-    return k, [StageChoice(*sp.layers, lv, sp.recompute) for sp, lv in zip(plan.stages, levels)]
+    return k, [StageChoice(*sp.layers, lv, sp.recompute, sp.keep_last) for sp, lv in zip(plan.stages, levels)]
 
 
 def predict(problem: PlanningProblem, plan: Plan) -> dict:

@@ -131,6 +131,7 @@ def summarize(plan: Plan, trial: TrialResult) -> dict:
             "layers": list(sp.layers),
             "formats": sp.formats,
             "recompute": sp.recompute,
+            "keep_last": sp.keep_last,
             "predicted_memory": coarse(sp.memory),
             "predicted_memory_total": sp.peak_memory,
             "measured_memory": dict(st.memory),
@@ -215,10 +216,11 @@ def measured_bubble(run: dict) -> float:
 
 def is_stock_configuration(plan: Plan, partitions: dict[int, dict[str, list[int]]]) -> bool:
     """Whether stock DeepSpeed could run ``plan`` as it is: training-dtype weights, no codecs, no
-    master-free weights, recomputation on every stage or none, and boundaries one of its partition
-    methods gives (``partitions``: degree -> method -> boundaries)."""
-    rec = {s.recompute for s in plan.stages}
-    return (all(f == "none" for f in plan.layer_formats) and not plan.master_free and len(rec) == 1
+    master-free weights, recomputation of every layer on every stage or none, and boundaries one of its
+    partition methods gives (``partitions``: degree -> method -> boundaries)."""
+    rec = {(s.recompute, s.keep_last) for s in plan.stages}
+    return (all(f == "none" for f in plan.layer_formats) and not plan.master_free
+            and rec in ({(False, 0)}, {(True, 0)})
             and plan.activation_codec == {"method": "none"} and plan.gradient_codec == {"method": "none"}
             and plan.boundaries in partitions.get(plan.pipeline_degree, {}).values())
 
@@ -228,8 +230,8 @@ def same_configuration(a: Plan, b: Plan) -> bool:
     master-free weights and codecs (predictions and notes aside)."""
     def key(p: Plan):
         return (p.boundaries, p.micro_batch_size, p.num_microbatches, p.layer_formats,
-                [s.recompute for s in p.stages], p.optimizer_8bit, p.master_free, p.activation_codec,
-                p.gradient_codec, p.schedule)
+                [(s.recompute, s.keep_last) for s in p.stages], p.optimizer_8bit, p.master_free,
+                p.activation_codec, p.gradient_codec, p.schedule)
 
     return key(a) == key(b)
 
@@ -253,12 +255,13 @@ def ladder_plans(problem: PlanningProblem, base: Plan, tuned: Plan,
         grad = next((c for c in problem.gradient_codecs if c.as_dict == tuned.gradient_codec), NO_CODEC)
         k = Knobs(p, b, m, tuned.schedule, act if codecs else NO_CODEC, grad if codecs else NO_CODEC,
                   tuned.optimizer_8bit, tuned.master_free)
-        stages = [StageChoice(i, j, level, r) for (i, j), r in zip(zip(bounds, bounds[1:]), recompute)]
+        stages = [StageChoice(i, j, level, r, keep)
+                  for (i, j), (r, keep) in zip(zip(bounds, bounds[1:]), recompute)]
         return _to_plan(problem, k, stages, evaluate_stages(problem, k, stages), [label])
 
     rungs = []
-    rec_base = [sp.recompute for sp in base.stages]
-    rec_tuned = [sp.recompute for sp in tuned.stages]
+    rec_base = [(sp.recompute, sp.keep_last) for sp in base.stages]
+    rec_tuned = [(sp.recompute, sp.keep_last) for sp in tuned.stages]
     try:
         rungs.append(("+ low-bit weights and optimizer states at the stock schedule",
                       make("ladder: low-bit", base.pipeline_degree, base.micro_batch_size,

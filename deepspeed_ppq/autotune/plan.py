@@ -25,9 +25,15 @@ from typing import Any
 
 from deepspeed_ppq.memory_categories import PLAN_LEGACY_NAMES, canonical
 
-__all__ = ["PLAN_SCHEMA_VERSION", "PlanError", "StagePlan", "Plan", "load_plan"]
+__all__ = ["PLAN_SCHEMA_VERSION", "PlanError", "StagePlan", "Plan", "load_plan", "recomputes"]
 
 PLAN_SCHEMA_VERSION = 2
+
+
+def recomputes(last: int, recompute: bool, keep_last: int, i: int) -> bool:
+    """Whether layer ``i`` of a stage ending at ``last`` is recomputed: the stage recomputes and ``i``
+    is not among its last ``keep_last`` layers (the one rule for the planner, the plan and the runtime)."""
+    return recompute and i < last - keep_last
 
 
 class PlanError(ValueError):
@@ -41,7 +47,10 @@ class StagePlan:
     Attributes:
         layers: ``[first, last)`` layer indices the stage holds.
         formats: weight format of each of those layers (``"none"`` keeps the training dtype).
-        recompute: activation recomputation (checkpoint every layer of the stage).
+        recompute: activation recomputation (checkpoint every layer of the stage but the last
+            ``keep_last``).
+        keep_last: with ``recompute``, the stage's last ``keep_last`` layers keep their activations
+            (partial recomputation, Megatron's ``--recompute-method block``); 0: every layer recomputes.
         time_per_microbatch: predicted forward + backward (+ recompute, codec, sends) seconds.
         memory: predicted peak bytes by memory category (``deepspeed_ppq.memory_categories``: weights,
             master_weights, gradients, optimizer, activations, comm_buffers, temporaries); a plan file's
@@ -53,9 +62,19 @@ class StagePlan:
     recompute: bool = False
     time_per_microbatch: float = 0.0
     memory: dict[str, int] = field(default_factory=dict)
+    keep_last: int = 0
 
     def __post_init__(self) -> None:
         self.memory = canonical(self.memory, PLAN_LEGACY_NAMES)
+
+    def recomputes(self, i: int) -> bool:
+        """Whether global layer ``i`` of this stage is recomputed (if the layer can be)."""
+        return recomputes(self.layers[1], self.recompute, self.keep_last, i)
+
+    @property
+    def recompute_label(self) -> str:
+        """``off``, ``on`` or ``on, last N kept`` (for reports)."""
+        return "off" if not self.recompute else f"on, last {self.keep_last} kept" if self.keep_last else "on"
 
     @property
     def peak_memory(self) -> int:
@@ -185,7 +204,9 @@ class Plan:
         """DeepSpeed settings: batch sizes, activation checkpointing and the ``"ppq"`` section.
 
         DeepSpeed checkpoints all stages alike (``activation_checkpoint_interval`` is one number for
-        the module), so per-stage recomputation is given in ``ppq.recompute_stages`` for the plugin."""
+        the module), so per-stage recomputation is given in ``pipeline.recompute_stages`` for the plugin,
+        or, when a stage keeps its last layers' activations, the recomputed layers in
+        ``pipeline.recompute_layers`` (global indices; embeddings are never checkpointed)."""
         cfg = {
             "train_batch_size": self.global_batch,
             "train_micro_batch_size_per_gpu": self.micro_batch_size,
@@ -193,7 +214,11 @@ class Plan:
             "pipeline": {"activation_checkpoint_interval": 1 if any(s.recompute for s in self.stages) else 0},
             "ppq": self.ppq_section(),
         }
-        cfg["pipeline"]["recompute_stages"] = [i for i, s in enumerate(self.stages) if s.recompute]
+        if any(s.recompute and s.keep_last for s in self.stages):
+            cfg["pipeline"]["recompute_layers"] = [
+                i for s in self.stages for i in range(*s.layers) if s.recomputes(i)]
+        else:
+            cfg["pipeline"]["recompute_stages"] = [i for i, s in enumerate(self.stages) if s.recompute]
         return cfg
 
     def megatron_flags(self, layer_kinds: list[str] | None = None) -> list[str]:
@@ -213,7 +238,11 @@ class Plan:
             f"--micro-batch-size {self.micro_batch_size}",
             f"--global-batch-size {self.global_batch}",
         ]
-        if any(s.recompute for s in self.stages):
+        if any(s.recompute and s.keep_last for s in self.stages):
+            # block: the first N layers of every stage recompute (one N for all: the most any stage does)
+            n = max(sum(s.recomputes(i) for i in range(*s.layers)) for s in self.stages)
+            flags.append(f"--recompute-granularity full --recompute-method block --recompute-num-layers {n}")
+        elif any(s.recompute for s in self.stages):
             flags.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
         fp8 = sorted({f for f in self.layer_formats if f.startswith("fp8")})
         if fp8:

@@ -42,7 +42,7 @@ from deepspeed_ppq.autotune.costs import (
     LayerProfile,
 )
 from deepspeed_ppq.autotune.memory import PREDICTED
-from deepspeed_ppq.autotune.plan import Plan, StagePlan
+from deepspeed_ppq.autotune.plan import Plan, StagePlan, recomputes
 from deepspeed_ppq.quant.optim import MIN_8BIT_SIZE
 from deepspeed_ppq.schedule import LinkModel
 
@@ -89,6 +89,9 @@ class PlanningProblem:
         master_free: candidates for master-free low-bit weights (``weights.master="none"``: one setting
             for the whole model, as the config has it; with it on, stages use 8-bit levels only).
         allow_recompute: let the planner checkpoint a stage's activations.
+        recompute_keep: with recomputation, how many of a stage's last layers may keep their
+            activations instead (partial recomputation: the memory left over buys back recompute
+            time); empty: a stage recomputes all of its layers or none.
         link: the point-to-point link between stages (also used for the data-parallel all-reduce).
         optimizer_s_per_param: optimizer step seconds per parameter (fp32 Adam).
         optimizer_cost_ratio: measured step cost per parameter of the other kinds relative to fp32 Adam
@@ -118,6 +121,7 @@ class PlanningProblem:
     optimizer_8bit: list[bool] = field(default_factory=lambda: [False])
     master_free: list[bool] = field(default_factory=lambda: [False])
     allow_recompute: bool = True
+    recompute_keep: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     link: LinkModel = DEFAULT_LINK
     optimizer_s_per_param: float = 0.0
     optimizer_cost_ratio: dict[str, float] = field(default_factory=dict)
@@ -132,6 +136,12 @@ class PlanningProblem:
         for layer in self.layers:
             seen += [f for f in layer.allowed_formats if f not in seen]
         return seen
+
+    def recompute_options(self) -> list[tuple[bool, int]]:
+        """``(recompute, keep_last)`` choices of a stage."""
+        if not self.allow_recompute:
+            return [(False, 0)]
+        return [(False, 0), (True, 0), *((True, n) for n in self.recompute_keep)]
 
     def degrees(self) -> list[int]:
         if self.pipeline_degrees is not None:
@@ -161,12 +171,17 @@ class Knobs:
 
 @dataclass(frozen=True)
 class StageChoice:
-    """One stage: its layers ``[first, last)``, precision level and recomputation."""
+    """One stage: its layers ``[first, last)``, precision level and recomputation (all of its layers but
+    the last ``keep_last``)."""
 
     first: int
     last: int
     level: str
     recompute: bool
+    keep_last: int = 0
+
+    def recomputes(self, i: int) -> bool:
+        return recomputes(self.last, self.recompute, self.keep_last, i)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,9 +213,9 @@ def _boundary_times(prob: PlanningProblem, k: Knobs, first: int, last: int) -> f
 def stage_time(prob: PlanningProblem, k: Knobs, c: StageChoice) -> float:
     """Seconds stage ``c`` spends per micro-batch."""
     t = 0.0
-    for layer in prob.layers[c.first : c.last]:
+    for i, layer in enumerate(prob.layers[c.first : c.last], start=c.first):
         f, bi, bw = layer.time(layer.format_for(c.level), k.micro_batch_size)
-        t += f * (2 if c.recompute and layer.recomputable else 1) + bi + bw
+        t += f * (2 if c.recomputes(i) and layer.recomputable else 1) + bi + bw
     return t + _boundary_times(prob, k, c.first, c.last) + prob.microbatch_overhead_s
 
 
@@ -217,13 +232,13 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
     # the low-bit layers share one dequantization buffer: the largest of theirs
     mem["weights"] += max(layer.workspace_bytes.get(layer.format_for(c.level), 0) for layer in layers)
     saved = [layer.saved_bytes[layer.format_for(c.level)] * b for layer in layers]
+    rec = [c.recomputes(i) for i in range(c.first, c.last)]
     # one layer at a time runs its backward: the largest transient of the stage's layers on top
-    transient = max(layer.transient_bytes(layer.format_for(c.level), c.recompute, b) for layer in layers)
-    if c.recompute:  # checkpointed layers keep only their input
-        kept = [b * layer.input_bytes if layer.recomputable else x for layer, x in zip(layers, saved)]
-        mem["activations"] = n_act * sum(kept) + transient
-    else:
-        mem["activations"] = n_act * sum(saved) + transient
+    transient = max(layer.transient_bytes(layer.format_for(c.level), r, b) for layer, r in zip(layers, rec))
+    # checkpointed layers keep only their input
+    kept = [b * layer.input_bytes if r and layer.recomputable else x
+            for layer, x, r in zip(layers, saved, rec)]
+    mem["activations"] = n_act * sum(kept) + transient
     grad_buf = layers[-1].output_bytes if c.last < len(prob.layers) else 0
     mem["comm_buffers"] = n_buf * b * (layers[0].input_bytes + layers[-1].output_bytes) + b * grad_buf
     mem["activations"] = int(mem["activations"] * prob.activation_scale)
@@ -310,17 +325,25 @@ def stage_levels(prob: PlanningProblem, k: Knobs) -> list[str]:
 
 
 def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_free: bool = False) -> tuple:
-    """Per stage option (level, recompute): compute time, static bytes, activation bytes per
+    """Per stage option (level, recompute, keep_last): compute time, static bytes, activation bytes per
     in-flight micro-batch and transient bytes of every segment. Independent of codecs, schedule and
     pipeline degree, so ``plan_pipeline`` caches it per (micro-batch size, optimizer)."""
     layers, L = prob.layers, len(prob.layers)
     N = L + 1
     levels = stage_levels(prob, Knobs(1, b, 1, "1f1b", NO_CODEC, NO_CODEC, optimizer_8bit, master_free))
-    options = [(lv, r) for lv in levels for r in ((False, True) if prob.allow_recompute else (False,))]
+    options = [(lv, r, keep) for lv in levels for r, keep in prob.recompute_options()]
     in_b = np.array([layer.input_bytes for layer in layers], dtype=float)
     rc = np.array([layer.recomputable for layer in layers])
     shape = (len(options), N, N)
     t_opt, static_opt, act_opt, transient_opt, ws_opt = (np.zeros(shape) for _ in range(5))
+    ii, jj = np.meshgrid(np.arange(N), np.arange(N), indexing="ij")
+
+    def range_max(x: np.ndarray) -> np.ndarray:  # out[i, j] = max(x[i:j]), 0 when empty
+        out = np.zeros((N, N))
+        for i in range(L):
+            out[i, i + 1 :] = np.maximum.accumulate(x[i:])
+        return out
+
     per_level = {}
     for level in levels:
         fmts = [layer.format_for(level) for layer in layers]
@@ -329,27 +352,28 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
             sum(layer.static_bytes(f, optimizer_8bit, master_free).values()) for layer, f in zip(layers, fmts)
         ]
         saved = np.array([layer.saved_bytes[f] * b for layer, f in zip(layers, fmts)], dtype=float)
-        trans = {r: np.array([layer.transient_bytes(f, r, b) for layer, f in zip(layers, fmts)], dtype=float)
-                 for r in (False, True)}
+        trans = {r: range_max(np.array([layer.transient_bytes(f, r, b) for layer, f in zip(layers, fmts)],
+                                       dtype=float)) for r in (False, True)}
         ws = np.array([layer.workspace_bytes.get(f, 0) for layer, f in zip(layers, fmts)], dtype=float)
         per_level[level] = (
             _seg(_prefix(tm[:, 0])),
             _seg(_prefix(np.where(rc, tm[:, 0], 0.0))),
             _seg(_prefix(tm[:, 1] + tm[:, 2])),
             _seg(_prefix(stat)),
-            saved,
+            _prefix(saved),
+            _prefix(np.where(rc, in_b * b, saved)),  # checkpointed layers keep only their input
             trans,
-            ws,
+            range_max(ws),  # the largest dequantization buffer of the segment
         )
-    for o, (level, rec) in enumerate(options):
-        fwd, fwd_rc, bwd, stat, saved, trans, ws = per_level[level]
-        t_opt[o] = fwd + (fwd_rc if rec else 0.0) + bwd
+    for o, (level, rec, keep) in enumerate(options):
+        fwd, fwd_rc, bwd, stat, pre_saved, pre_rc, trans, ws = per_level[level]
+        # layers [i, m) recompute, [m, j) keep their activations; the largest backward transient on top
+        m = np.maximum(ii, jj - keep) if rec else ii
+        t_opt[o] = fwd + fwd_rc[ii, m] + bwd
         static_opt[o] = stat
-        # checkpointed layers keep only their input; the largest backward transient comes on top
-        act_opt[o] = _seg(_prefix(np.where(rc, in_b * b, saved) if rec else saved))
-        for i in range(L):  # the largest transient and the largest dequantization buffer of the segment
-            transient_opt[o, i, i + 1 :] = np.maximum.accumulate(trans[rec][i:])
-            ws_opt[o, i, i + 1 :] = np.maximum.accumulate(ws[i:])
+        act_opt[o] = pre_rc[m] - pre_rc[ii] + pre_saved[jj] - pre_saved[m]
+        transient_opt[o] = np.maximum(trans[True][ii, m], trans[False][m, jj])
+        ws_opt[o] = ws
     return options, t_opt, static_opt + ws_opt, act_opt, transient_opt
 
 
@@ -460,8 +484,8 @@ def solve_partition(
         return None
     stages = []
     for s, (i, j) in enumerate(zip(best_cuts, best_cuts[1:])):
-        level, rec = tabs.options[int(tabs.option[s, i, j])]
-        stages.append(StageChoice(int(i), int(j), level, rec))
+        level, rec, keep = tabs.options[int(tabs.option[s, i, j])]
+        stages.append(StageChoice(int(i), int(j), level, rec, min(keep, int(j - i)) if rec else 0))
     return best, stages
 
 
@@ -504,6 +528,7 @@ def _to_plan(prob: PlanningProblem, k: Knobs, stages: list[StageChoice], ev: dic
             layers=(c.first, c.last),
             formats=[layer.format_for(c.level) for layer in prob.layers[c.first : c.last]],
             recompute=c.recompute,
+            keep_last=c.keep_last,
             time_per_microbatch=t,
             memory=mem,
         )
@@ -560,8 +585,8 @@ def _infeasible_message(prob: PlanningProblem, space: list[Knobs]) -> str:
     worst = None
     options = _segment_tables(PlanningProblem(**{**prob.__dict__, "memory_budget": None}), k).options
     for s, (i, j) in enumerate(zip(cuts, cuts[1:])):
-        for level, rec in options:
-            mem = stage_memory(prob, k, StageChoice(i, j, level, rec), s)
+        for level, rec, keep in options:
+            mem = stage_memory(prob, k, StageChoice(i, j, level, rec, keep if rec else 0), s)
             if abs(sum(mem.values()) - need) < 1:
                 worst = (s, i, j, level, rec, mem)
     msg = (
@@ -717,8 +742,9 @@ def simulate_plan(prob: PlanningProblem, plan: Plan) -> dict:
                 forward=f + prob.microbatch_overhead_s,
                 backward_input=bi,
                 backward_weight=bw,
-                recompute=sum(layer.time(fmt, b)[0] for layer, fmt in zip(layers, sp.formats)
-                              if layer.recomputable) if sp.recompute else 0.0,
+                recompute=sum(layer.time(fmt, b)[0]
+                              for i, (layer, fmt) in enumerate(zip(layers, sp.formats), start=sp.layers[0])
+                              if layer.recomputable and sp.recomputes(i)),
                 optimizer=_extras(prob, k, list(zip(layers, sp.formats))),
             )
         )

@@ -32,7 +32,7 @@ def _plan_section(title: str, plan: dict, run: dict, budget: int | None) -> list
     out.append(f"- boundaries {p.boundaries}, micro-batch {p.micro_batch_size} x {p.num_microbatches} "
                f"(global batch {p.global_batch}), schedule {p.schedule}")
     out.append(f"- weights {sorted(set(p.layer_formats))}, master-free {p.master_free}, 8-bit Adam "
-               f"{p.optimizer_8bit}, recompute {[s.recompute for s in p.stages]}")
+               f"{p.optimizer_8bit}, recompute {' / '.join(s.recompute_label for s in p.stages)}")
     out.append(f"- codecs: activations {p.activation_codec}, gradients {p.gradient_codec}")
     t_meas = run["measured_step_time"]
     line = (f"- step time: predicted {p.predicted_step_time * 1e3:.1f} ms, measured {t_meas * 1e3:.1f} ms "
@@ -129,7 +129,7 @@ def format_report(result: dict) -> str:
                     f"{'/'.join(sorted(set(plan.layer_formats)))}"
                     f"{', master-free' if plan.master_free else ''}"
                     f"{', 8-bit Adam' if plan.optimizer_8bit else ''}, recompute "
-                    f"{''.join('1' if sp.recompute else '0' for sp in plan.stages)}, codecs "
+                    f"{'/'.join(sp.recompute_label for sp in plan.stages)}, codecs "
                     f"{plan.activation_codec.get('method')}/{plan.gradient_codec.get('method')}")
             lines.append(f"| {rec['rung']} | {run['samples_per_second']:.1f} | "
                          f"{t0 / run['measured_step_time']:.2f}x | {rec['bubble']:.1%} | {peaks} | "

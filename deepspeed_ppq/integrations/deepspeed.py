@@ -88,9 +88,10 @@ class PPQPipelineEngine(CheckpointMixin, HandshakeMixin, NonFiniteMixin, Transpo
             _check_sample_ids(kwargs.get("training_data"), ppq_sample_ids)
         check_codecs(self.ppq)  # on every rank before any communication: no rank waits on a failed one
         super().__init__(*args, **kwargs)
-        if self._config.pipeline.get("recompute_stages") is not None and \
+        per_stage = ("recompute_stages", "recompute_layers")
+        if any(self._config.pipeline.get(k) is not None for k in per_stage) and \
                 self.module.activation_checkpoint_interval > 0:
-            # pipeline.recompute_stages (per stage) replaces activation_checkpoint_interval (all stages)
+            # pipeline.recompute_stages/_layers (per stage, per layer) replace activation_checkpoint_interval
             self.module.activation_checkpoint_interval = 0
         self._compressing = self.ppq.activations.enabled or self.ppq.gradients.enabled
         if self._compressing and (self.is_pipe_partitioned or self.has_bool_tensors):

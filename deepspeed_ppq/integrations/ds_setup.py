@@ -259,6 +259,7 @@ def _prepare_model(model, ppq: PPQConfig, ds_config: dict, optimizer, model_para
                    recompute_stages, recompute_layers) -> None:
     """Apply ``ppq.weights`` (unless the model already holds ``QuantLinear`` layers) and per-stage
     recomputation to ``model`` before DeepSpeed sees its parameters."""
+    from deepspeed_ppq.integrations.model_layers import recompute_layer_flags
     from deepspeed_ppq.integrations.stage import (
         apply_recompute,
         apply_weights,
@@ -279,8 +280,15 @@ def _prepare_model(model, ppq: PPQConfig, ds_config: dict, optimizer, model_para
             convert_model(model, w, **({} if block_layers is None else {"block_layers": block_layers}))
         _check_params_live(model, optimizer, model_parameters, w.format.value)
     if recompute_stages is None and recompute_layers is None:
-        recompute_stages = (ds_config.get("pipeline") or {}).get("recompute_stages")
-        if recompute_stages is not None and is_pipe:
+        pipe_cfg = ds_config.get("pipeline") or {}
+        recompute_stages = pipe_cfg.get("recompute_stages")
+        if pipe_cfg.get("recompute_layers") is not None and is_pipe:
+            if recompute_stages is not None:
+                raise PPQConfigError("pipeline.recompute_stages and pipeline.recompute_layers were both "
+                                     "given; use one")
+            recompute_layers = recompute_layer_flags(model._layer_specs, block_layers,
+                                                     pipe_cfg["recompute_layers"])
+        if (recompute_stages is not None or recompute_layers is not None) and is_pipe:
             # the config's per-stage choice replaces its activation_checkpoint_interval, which the module
             # may have been built with (the engine turns the config's value off the same way)
             model.activation_checkpoint_interval = 0

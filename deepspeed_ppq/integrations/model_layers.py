@@ -22,8 +22,10 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
+from deepspeed_ppq.config import PPQConfigError
+
 __all__ = ["layer_specs", "build_layers", "layer_name", "model_fingerprint", "layer_kinds",
-           "checkpointable_names", "deepspeed_partitions"]
+           "checkpointable_names", "recompute_layer_flags", "deepspeed_partitions"]
 
 
 def layer_specs(model) -> list:
@@ -105,6 +107,22 @@ def checkpointable_names(specs: list, block_layers: list[int] | None) -> list[st
     """Class names DeepSpeed may checkpoint when a stage recomputes: every layer but the ``embed`` ones."""
     kinds = layer_kinds(specs, block_layers)
     return sorted({layer_name(s).split("[")[0] for s, k in zip(specs, kinds) if k != "embed"})
+
+
+def recompute_layer_flags(specs: list, block_layers: list[int] | None, layers) -> list[bool]:
+    """One flag per layer from the global indices ``layers`` to recompute (``pipeline.recompute_layers``,
+    as a plan with partial recomputation writes it), the ``embed`` layers left out as a recomputing
+    stage leaves them (``checkpointable_names``).
+
+    Raises:
+        PPQConfigError: an entry that is not a layer index.
+    """
+    chosen = list(layers)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(specs) for i in chosen):
+        raise PPQConfigError(f"pipeline.recompute_layers={chosen!r}: needs global layer indices in "
+                             f"[0, {len(specs)})")
+    kinds = layer_kinds(specs, block_layers)
+    return [i in set(chosen) and kinds[i] != "embed" for i in range(len(specs))]
 
 
 def deepspeed_partitions(param_counts: list[int], pipeline_degree: int, block_layers: list[int] | None = None,

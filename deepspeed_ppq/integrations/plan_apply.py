@@ -18,7 +18,11 @@ from deepspeed.pipe import PipelineModule
 
 from deepspeed_ppq.autotune.plan import Plan, PlanError, load_plan
 from deepspeed_ppq.config import PPQConfigError
-from deepspeed_ppq.integrations.model_layers import checkpointable_names, model_fingerprint
+from deepspeed_ppq.integrations.model_layers import (
+    checkpointable_names,
+    model_fingerprint,
+    recompute_layer_flags,
+)
 
 __all__ = ["apply_plan", "plan_module"]
 
@@ -28,7 +32,8 @@ def plan_module(plan: Plan, specs: list, loss_fn, weights: dict | None = None, b
     """The ``PPQPipelineModule`` of this rank's stage under ``plan``: the plan's boundaries and
     topology, its per-Linear formats (exact rules over ``weights``' other settings), and recomputation
     (DeepSpeed's ``activation_checkpoint_interval`` on this stage, every layer but the embedding ones
-    checkpointed, as the cost model assumes). The tuner's trials and the user's run build it alike.
+    checkpointed, as the cost model assumes; a stage that keeps its last layers' activations checkpoints
+    the others one by one). The tuner's trials and the user's run build it alike.
 
     Args:
         weights: ``ppq.weights`` fields to keep (block size, scale dtype, ...); format and rules come
@@ -47,11 +52,16 @@ def plan_module(plan: Plan, specs: list, loss_fn, weights: dict | None = None, b
     stage = rank // plan.data_parallel
     w = {k: v for k, v in (weights or {}).items() if k not in ("format", "rules")}
     w.update(plan.ppq_section()["weights"])
+    sp = plan.stages[stage]
+    if sp.recompute and sp.keep_last:  # partial: the recomputed layers one by one
+        rc = {"activation_checkpoint_interval": 0, "recompute_layers": recompute_layer_flags(
+            specs, block_layers, [i for i in range(*sp.layers) if sp.recomputes(i)])}
+    else:
+        rc = {"activation_checkpoint_interval": 1 if sp.recompute else 0}
     module = PPQPipelineModule(
         specs, topology=PipeDataParallelTopology(num_pp=plan.pipeline_degree, num_dp=plan.data_parallel),
         boundaries=plan.boundaries, loss_fn=loss_fn, weights=w, block_layers=block_layers,
-        activation_checkpoint_interval=1 if plan.stages[stage].recompute else 0,
-        checkpointable_layers=checkpointable_names(specs, block_layers), **kwargs)
+        checkpointable_layers=checkpointable_names(specs, block_layers), **rc, **kwargs)
     module.ppq_plan = plan
     return module
 

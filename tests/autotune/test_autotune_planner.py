@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from itertools import combinations, product
@@ -76,14 +77,12 @@ def _problem(seed: int, n_layers: int, heavy_ends: bool = False, **kw) -> Planni
 
 def _brute_force(prob: PlanningProblem, k: Knobs) -> float:
     L, p = len(prob.layers), k.pipeline_degree
-    options = [
-        (lv, r) for lv in stage_levels(prob, k) for r in ((False, True) if prob.allow_recompute else (False,))
-    ]
+    options = [(lv, r, keep) for lv in stage_levels(prob, k) for r, keep in prob.recompute_options()]
     best = float("inf")
     for cuts in combinations(range(1, L), p - 1):
         b = [0, *cuts, L]
         for opts in product(options, repeat=p):
-            stages = [StageChoice(i, j, lv, r) for (i, j), (lv, r) in zip(zip(b, b[1:]), opts)]
+            stages = [StageChoice(i, j, lv, r, keep) for (i, j), (lv, r, keep) in zip(zip(b, b[1:]), opts)]
             ev = evaluate_stages(prob, k, stages)
             if ev["fits"]:
                 best = min(best, ev["pipeline_time"])
@@ -102,7 +101,9 @@ def _knobs(p: int, b: int, m: int, **kw) -> Knobs:
 def test_dp_equals_brute_force(seed):
     rng = random.Random(100 + seed)
     L, p = rng.choice([(5, 2), (6, 3), (7, 3)])
-    prob = _problem(seed, L, world_size=p, global_batch=8)
+    # partial recomputation: keeping the last layer, or 1 or 2 on two stages (the brute force grows as
+    # (levels x recompute choices) ^ stages)
+    prob = _problem(seed, L, world_size=p, global_batch=8, recompute_keep=(1, 2) if p == 2 else (1,))
     k = _knobs(
         p,
         rng.choice([1, 2]),
@@ -148,6 +149,7 @@ def test_whole_search_equals_brute_force_over_knobs():
         activation_codecs=codecs,
         gradient_codecs=codecs,
         optimizer_8bit=[False, True],
+        recompute_keep=(),  # all or nothing here: test_dp_equals_brute_force covers partial recomputation
     )
     prob.memory_budget = 450_000
     plan = plan_pipeline(prob)
@@ -209,6 +211,32 @@ def test_freed_memory_goes_to_pipeline_fill():
     assert tuned.optimizer_8bit and not any(s.recompute for s in tuned.stages)
     assert all(s.peak_memory <= prob.memory_budget for s in tuned.stages)
     assert tuned.predicted_step_time < base.predicted_step_time
+
+
+def test_leftover_memory_buys_back_recomputation():
+    """Between what full recomputation and none need, a stage recomputes all of its layers but the
+    last few: faster than recomputing all, within the budget; the plan's DeepSpeed config lists the
+    recomputed layers and its Megatron flags use the block method (the first N layers of a stage)."""
+    prob = _problem(5, 10, world_size=2, global_batch=16, micro_batch_sizes=[4], pipeline_degrees=[2])
+    prob.layers = [dataclasses.replace(layer, allowed_formats=["none"]) for layer in prob.layers]
+    free = plan_pipeline(prob)
+    assert not any(s.recompute for s in free.stages)
+    k = _knobs(2, 4, 4)
+    full = evaluate_stages(prob, k, [StageChoice(*s.layers, "none", True) for s in free.stages])
+    low = max(sum(m.values()) for m in full["memory"])
+    prob.memory_budget = int(low + 0.5 * (max(s.peak_memory for s in free.stages) - low))
+    plan = plan_pipeline(prob)
+    partial = [s for s in plan.stages if s.recompute and s.keep_last]
+    assert partial, [(s.recompute, s.keep_last) for s in plan.stages]
+    assert all(s.peak_memory <= prob.memory_budget for s in plan.stages)
+    all_rc = evaluate_stages(prob, k, [StageChoice(*s.layers, "none", s.recompute) for s in plan.stages])
+    assert plan.predicted_step_time < all_rc["step_time"]
+    cfg = plan.deepspeed_config()["pipeline"]
+    expect = [i for s in plan.stages for i in range(s.layers[0], s.layers[1] - s.keep_last) if s.recompute]
+    assert cfg["recompute_layers"] == expect and "recompute_stages" not in cfg
+    n = max(sum(s.recomputes(i) for i in range(*s.layers)) for s in plan.stages)
+    assert f"--recompute-method block --recompute-num-layers {n}" in " ".join(plan.megatron_flags())
+    assert Plan.from_dict(plan.to_dict()).stages[0].keep_last == plan.stages[0].keep_last
 
 
 def test_optimizer_kinds_are_charged_their_measured_cost():

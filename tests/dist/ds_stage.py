@@ -10,6 +10,8 @@ a plain torch Adam with ``requantize_after_step``:
 * ``config``: a plain DeepSpeed ``PipelineModule``; ``ppq.weights`` (nf4) and
   ``pipeline.recompute_stages=[1]`` (with ``activation_checkpoint_interval=1``, as the autotuner writes
   it) come from the DeepSpeed config; the optimizer is a callable DeepSpeed builds after the conversion;
+* ``config_layers``: ``pipeline.recompute_layers`` (partial recomputation, as a plan writes it), and
+  ``plan_module`` building a plan's partially recomputed stage;
 * ``master_free``: int8 master-free weights on stage 1 only; ``initialize`` attaches the master-free
   update on both ranks (the clip norm is a collective), losses equal the one-process model's;
 * ``stale``: an optimizer built before ``ppq.weights`` replaced the layers is an error.
@@ -26,7 +28,9 @@ from deepspeed.pipe import PipelineModule
 from dist_utils import write_result
 
 import deepspeed_ppq
+from deepspeed_ppq.autotune.plan import Plan, StagePlan
 from deepspeed_ppq.config import WeightsConfig
+from deepspeed_ppq.integrations.plan_apply import plan_module
 from deepspeed_ppq.integrations.pipe_module import PPQPipelineModule
 from deepspeed_ppq.integrations.stage import RecomputedLayer
 from deepspeed_ppq.models.gpt import GPT, GPTConfig, gpt_layers, gpt_loss, layer_kinds
@@ -139,6 +143,20 @@ def main() -> None:
                                           optimizer=lambda params: torch.optim.Adam(params, lr=LR))
     out["config"] = train(engine, plain)
     out["config"]["reference"] = reference(nf4)
+
+    # partial recomputation from the config, as a plan whose stage keeps its last layers writes it:
+    # layer 0 (the embedding: never checkpointed) and layer 3 recompute, layer 4 keeps its activations
+    plain = PipelineModule(gpt_layers(CFG), num_stages=2, loss_fn=gpt_loss, partition_method="uniform")
+    cfg_layers = {**DS, "pipeline": {"activation_checkpoint_interval": 1, "recompute_layers": [0, 3]},
+                  "ppq": cfg["ppq"]}
+    engine, *_ = deepspeed_ppq.initialize(model=plain, config=cfg_layers,
+                                          optimizer=lambda params: torch.optim.Adam(params, lr=LR))
+    out["config_layers"] = train(engine, plain)
+    # the tuner's trials build a plan's partial stage alike: stage 0 [0, 3) keeps layer 2
+    plan = Plan(world_size=2, pipeline_degree=2, micro_batch_size=MB, num_microbatches=GAS, schedule="1f1b",
+                stages=[StagePlan((0, 3), ["none"] * 3, recompute=True, keep_last=1),
+                        StagePlan((3, 6), ["none"] * 3)], layer_names=[f"l{i}" for i in range(6)])
+    out["plan_partial"] = plan_module(plan, gpt_layers(CFG), gpt_loss).ppq_recomputed
 
     # Master-free int8 on stage 1 only (blocks 1-2 are the model's first two, kept high precision): the
     # clip norm of the master-free gradients is a collective, so stage 0 must join it without any such

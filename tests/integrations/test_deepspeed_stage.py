@@ -46,6 +46,14 @@ def test_stage_weights_and_recompute_match_one_process(tmp_path):
     assert c0["ds_interval"] == 0 and c1["ds_interval"] == 0
     torch.testing.assert_close(torch.tensor(c1["losses"]), torch.tensor(c0["reference"]),
                                rtol=1e-4, atol=1e-5)
+    # pipeline.recompute_layers=[0, 3]: the embedding is left out, layer 3 recomputes, layer 4 keeps its
+    # activations; the losses are the same model's. A plan's stage keeping its last layer does the same.
+    p0, p1 = r0["config_layers"], r1["config_layers"]
+    assert p0["recomputed"] == [] and p1["recomputed"] == [3] and p1["ds_interval"] == 0
+    assert p1["recompute_calls"] == [2 * STEPS * GAS]
+    torch.testing.assert_close(torch.tensor(p1["losses"]), torch.tensor(c0["reference"]),
+                               rtol=1e-4, atol=1e-5)
+    assert r0["plan_partial"] == [1] and r1["plan_partial"] == []
 
     for r in (r0, r1):  # a plain (data-parallel) model: global policy, compute copy follows the master
         assert r["plain"]["quantized"] == [f"{i}.{n}" for i in (2, 3) for n in NAMES], r["plain"]
