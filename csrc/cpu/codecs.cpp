@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 #if PPQ_ISA_AVX2
 #include <immintrin.h>
@@ -163,17 +164,34 @@ PPQ_ALWAYS_INLINE inline float hmax(__m256 v) {
 }
 
 // min, max (NaN skipped) and whether there was a NaN, over x[0, n8) with n8 a multiple of 8 (> 0).
+// Four accumulators of each, so the loop is not bound by min/max latency (min and max are order-free
+// here: NaN lanes are skipped, and which zero wins a tie of -0 and +0 leaves the codes unchanged).
 PPQ_ALWAYS_INLINE inline void minmax8(const float* x, int64_t n8, float& mn, float& mx, bool& nan) {
-  __m256 vmn = _mm256_set1_ps(INFINITY), vmx = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n8; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    vmn = _mm256_min_ps(v, vmn);
-    vmx = _mm256_max_ps(v, vmx);
-    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  __m256 vmn[4], vmx[4], vnan[4];
+  for (int u = 0; u < 4; ++u) {
+    vmn[u] = _mm256_set1_ps(INFINITY);
+    vmx[u] = _mm256_set1_ps(-INFINITY);
+    vnan[u] = _mm256_setzero_ps();
   }
-  mn = hmin(vmn);
-  mx = hmax(vmx);
-  nan = _mm256_movemask_ps(vnan) != 0;
+  auto step = [&](int u, int64_t i) PPQ_ALWAYS_INLINE {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    vmn[u] = _mm256_min_ps(v, vmn[u]);
+    vmx[u] = _mm256_max_ps(v, vmx[u]);
+    vnan[u] = _mm256_or_ps(vnan[u], _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  };
+  const int64_t n32 = n8 & ~int64_t(31);
+  for (int64_t i = 0; i < n32; i += 32) {
+    step(0, i);
+    step(1, i + 8);
+    step(2, i + 16);
+    step(3, i + 24);
+  }
+  for (int64_t i = n32; i < n8; i += 8) step(0, i);
+  const __m256 a = _mm256_min_ps(_mm256_min_ps(vmn[0], vmn[1]), _mm256_min_ps(vmn[2], vmn[3]));
+  const __m256 b = _mm256_max_ps(_mm256_max_ps(vmx[0], vmx[1]), _mm256_max_ps(vmx[2], vmx[3]));
+  mn = hmin(a);
+  mx = hmax(b);
+  nan = _mm256_movemask_ps(_mm256_or_ps(_mm256_or_ps(vnan[0], vnan[1]), _mm256_or_ps(vnan[2], vnan[3]))) != 0;
 }
 
 // Codes of x[0, n32) (n32 a multiple of 32) into b: round((x * p - mnp) * inv) clamped to [0, lv].
@@ -187,6 +205,43 @@ PPQ_ALWAYS_INLINE inline void minmax_codes(const float* x, int64_t n32, float p,
   };
   for (int64_t i = 0; i < n32; i += 32)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(b + i), ppq::avx2::bytes32(code8(i), code8(i + 8), code8(i + 16), code8(i + 24)));
+}
+
+// Codes of x[0, n32) (n32 a multiple of 32) packed straight into a 4- or 2-bit stream at dst: the codes
+// of minmax_codes, the bytes of pack32, without the byte buffer in between. Codes lie in [0, lv], so the
+// saturating packs are exact; they leave the 32 codes as 8 dwords of 4 consecutive codes, in the
+// order 0 2 4 6 | 1 3 5 7 (groups of 4), which the final in-lane shuffle and interleave restore.
+PPQ_ALWAYS_INLINE inline void minmax_codes_packed(const float* x, int64_t n32, float p, float mnp, float inv, float lv,
+                                                  int64_t bits, uint8_t* dst) {
+  const __m256 vp = _mm256_set1_ps(p), vmnp = _mm256_set1_ps(mnp), vinv = _mm256_set1_ps(inv);
+  const __m256 vlv = _mm256_set1_ps(lv), zero = _mm256_setzero_ps(), magic = _mm256_set1_ps(12582912.0f);
+  auto code8 = [&](int64_t i) PPQ_ALWAYS_INLINE {
+    __m256 t = _mm256_mul_ps(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vp), vmnp), vinv);
+    t = _mm256_min_ps(_mm256_max_ps(t, zero), vlv);
+    return _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_add_ps(t, magic), magic));
+  };
+  if (bits == 2) {
+    const __m256i first = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                           0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    for (int64_t i = 0; i < n32; i += 32) {
+      const __m256i w = _mm256_packus_epi16(_mm256_packs_epi32(code8(i), code8(i + 8)),
+                                            _mm256_packs_epi32(code8(i + 16), code8(i + 24)));
+      const __m256i t16 = _mm256_maddubs_epi16(w, _mm256_set1_epi16(0x0401));     // c0 + 4 c1, c2 + 4 c3
+      const __m256i t32 = _mm256_madd_epi16(t16, _mm256_set1_epi32(0x00100001));  // + 16 (c2 + 4 c3)
+      const __m256i b = _mm256_shuffle_epi8(t32, first);  // bytes of groups 0 2 4 6 | 1 3 5 7
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i / 4),
+                       _mm_unpacklo_epi8(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+    }
+  } else {
+    for (int64_t i = 0; i < n32; i += 32) {
+      const __m256i w = _mm256_packus_epi16(_mm256_packs_epi32(code8(i), code8(i + 8)),
+                                            _mm256_packs_epi32(code8(i + 16), code8(i + 24)));
+      const __m256i t = _mm256_and_si256(_mm256_or_si256(w, _mm256_srli_epi16(w, 4)), _mm256_set1_epi16(0xff));
+      const __m256i b = _mm256_packus_epi16(t, t);  // 2 bytes per group: 0 2 4 6 | 1 3 5 7 (twice)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i / 2),
+                       _mm_unpacklo_epi16(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+    }
+  }
 }
 
 // 8 fp32 -> the output dtype (float, or bf16 rounded to nearest even).
@@ -324,6 +379,16 @@ void encode_span(const T* x, int64_t i0, int64_t i1, int64_t d, int64_t group, i
   alignas(64) uint8_t buf[kSeg];
   for (int64_t s0 = i0; s0 < i1; s0 += kSeg) {
     int64_t s1 = std::min(i1, s0 + kSeg);
+#if PPQ_ISA_AVX2
+    if constexpr (std::is_same_v<T, float>) {  // one group over the whole segment, 4 or 2 bits: no buffer
+      const int64_t r = s0 / d, c = s0 % d;
+      if ((bits == 4 || bits == 2) && (s1 - s0) % 32 == 0 && s1 - r * d <= std::min(d, (c / group + 1) * group)) {
+        const GroupStats& st = stats[r * ng + c / group];
+        v2::minmax_codes_packed(x + s0, s1 - s0, st.p, st.mnp, st.inv, lv, bits, codes + s0 * bits / 8);
+        continue;
+      }
+    }
+#endif
     int64_t i = s0;
     while (i < s1) {  // runs of one group
       int64_t r = i / d, c = i % d;
@@ -901,6 +966,35 @@ void topk_decode(const at::Tensor& values, const at::Tensor& indices, at::Tensor
 // ------------------------------------------------------------------------------------------------
 // Bit packing (little-endian bit stream, `bits` bits per value)
 
+// The 8 values of one block into its `B` bytes, the bit writer unrolled at compile time: every shift and
+// store offset is a constant.
+template <int B, int J = 0, int NACC = 0, int W = 0>
+PPQ_ALWAYS_INLINE inline void pack_block(const int64_t* ip, uint8_t* dst, uint64_t acc) {
+  if constexpr (J == 8) {
+    static_assert(NACC == 8 * (B - W));
+    if constexpr (W < B) std::memcpy(dst + W, &acc, size_t(B - W));  // little-endian: the low bytes
+  } else {
+    const uint64_t v = uint64_t(ip[J]) & ((uint64_t(1) << B) - 1);
+    acc |= v << NACC;
+    if constexpr (NACC + B >= 64) {  // B <= 56, so NACC > 0 here
+      std::memcpy(dst + W, &acc, 8);
+      pack_block<B, J + 1, NACC + B - 64, W + 8>(ip, dst, (v >> (63 - NACC)) >> 1);
+    } else {
+      pack_block<B, J + 1, NACC + B, W>(ip, dst, acc);
+    }
+  }
+}
+template <int B>
+void pack_blocks(const int64_t* ip, int64_t blocks, uint8_t* dst) {
+  for (int64_t blk = 0; blk < blocks; ++blk) pack_block<B>(ip + 8 * blk, dst + B * blk, 0);
+}
+using PackBlocksFn = void (*)(const int64_t*, int64_t, uint8_t*);
+template <int... B>
+constexpr std::array<PackBlocksFn, sizeof...(B)> pack_blocks_table(std::integer_sequence<int, B...>) {
+  return {&pack_blocks<B + 1>...};
+}
+constexpr auto kPackBlocks = pack_blocks_table(std::make_integer_sequence<int, 56>{});  // bits 1..56
+
 void pack_bits(const at::Tensor& idx, int64_t bits, at::Tensor out) {
   TORCH_CHECK(idx.scalar_type() == at::kLong && idx.is_contiguous(), "idx must be contiguous int64");
   TORCH_CHECK(bits >= 1 && bits <= 56, "bits must be in [1, 56], got ", bits);
@@ -908,47 +1002,28 @@ void pack_bits(const at::Tensor& idx, int64_t bits, at::Tensor out) {
   check_buffer(out, at::kByte, packed_nbytes(n, bits), "out");
   const int64_t* ip = idx.data_ptr<int64_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
-  const int64_t blocks = (n + 7) / 8;  // 8 values = `bits` whole bytes
-  const uint64_t mask = (uint64_t(1) << bits) - 1;
+  const int64_t whole = n / 8;  // whole blocks: 8 values = `bits` whole bytes
+  const PackBlocksFn fn = kPackBlocks[bits - 1];
+  constexpr int64_t kChunk = 4096;  // blocks per task
 #pragma omp parallel for schedule(static)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    int64_t i0 = blk * 8, i1 = std::min(n, i0 + 8);
-    uint8_t* dst = op + blk * bits;
-    if (i1 - i0 == 8) {  // a whole block: a 64-bit bit writer into a local buffer, then its bytes
-      alignas(8) uint8_t buf[72];
-      uint64_t acc = 0;
-      int nacc = 0, w = 0;
-      for (int j = 0; j < 8; ++j) {
-        const uint64_t v = uint64_t(ip[i0 + j]) & mask;
-        acc |= v << nacc;
-        if (nacc + bits >= 64) {  // bits <= 56, so nacc > 0 here
-          std::memcpy(buf + w, &acc, 8);
-          w += 8;
-          acc = v >> (64 - nacc);
-          nacc = nacc + int(bits) - 64;
-        } else {
-          nacc += int(bits);
-        }
-      }
-      std::memcpy(buf + w, &acc, 8);
-      std::memcpy(dst, buf, size_t(bits));
-      continue;
+  for (int64_t b0 = 0; b0 < whole; b0 += kChunk)
+    fn(ip + 8 * b0, std::min(kChunk, whole - b0), op + bits * b0);
+  // the tail: fewer than 8 values
+  const uint64_t mask = (uint64_t(1) << bits) - 1;
+  const int64_t nbytes = packed_nbytes(n, bits);
+  uint64_t acc = 0;
+  int nacc = 0;
+  int64_t w = whole * bits;
+  for (int64_t i = whole * 8; i < n; ++i) {
+    acc |= (uint64_t(ip[i]) & mask) << nacc;
+    nacc += int(bits);
+    while (nacc >= 8) {
+      op[w++] = acc & 255;
+      acc >>= 8;
+      nacc -= 8;
     }
-    int64_t nbytes = packed_nbytes(i1 - i0, bits);
-    uint64_t acc = 0;
-    int nacc = 0;
-    int64_t w = 0;
-    for (int64_t i = i0; i < i1; ++i) {
-      acc |= (uint64_t(ip[i]) & mask) << nacc;
-      nacc += int(bits);
-      while (nacc >= 8) {
-        dst[w++] = acc & 255;
-        acc >>= 8;
-        nacc -= 8;
-      }
-    }
-    if (w < nbytes) dst[w++] = acc & 255;
   }
+  if (w < nbytes) op[w++] = acc & 255;
 }
 
 void unpack_bits(const at::Tensor& packed, int64_t bits, at::Tensor out) {
