@@ -194,17 +194,35 @@ PPQ_ALWAYS_INLINE inline void minmax8(const float* x, int64_t n8, float& mn, flo
   nan = _mm256_movemask_ps(_mm256_or_ps(_mm256_or_ps(vnan[0], vnan[1]), _mm256_or_ps(vnan[2], vnan[3]))) != 0;
 }
 
-// Codes of x[0, n32) (n32 a multiple of 32) into b: round((x * p - mnp) * inv) clamped to [0, lv].
-PPQ_ALWAYS_INLINE inline void minmax_codes(const float* x, int64_t n32, float p, float mnp, float inv, float lv, uint8_t* b) {
-  const __m256 vp = _mm256_set1_ps(p), vmnp = _mm256_set1_ps(mnp), vinv = _mm256_set1_ps(inv);
-  const __m256 vlv = _mm256_set1_ps(lv), zero = _mm256_setzero_ps(), magic = _mm256_set1_ps(12582912.0f);
-  auto code8 = [&](int64_t i) PPQ_ALWAYS_INLINE {
-    __m256 t = _mm256_mul_ps(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vp), vmnp), vinv);
-    t = _mm256_min_ps(_mm256_max_ps(t, zero), vlv);
+// Codes of 8 values: round((x * p - mnp) * inv) clamped to [0, lv], the scalar loop's arithmetic.
+struct Codes8 {
+  __m256 vp, vmnp, vinv, vlv;
+  Codes8(float p, float mnp, float inv, float lv)
+      : vp(_mm256_set1_ps(p)), vmnp(_mm256_set1_ps(mnp)), vinv(_mm256_set1_ps(inv)), vlv(_mm256_set1_ps(lv)) {}
+  PPQ_ALWAYS_INLINE __m256i operator()(const float* x) const {
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
+    __m256 t = _mm256_mul_ps(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(x), vp), vmnp), vinv);
+    t = _mm256_min_ps(_mm256_max_ps(t, _mm256_setzero_ps()), vlv);
     return _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_add_ps(t, magic), magic));
-  };
-  for (int64_t i = 0; i < n32; i += 32)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(b + i), ppq::avx2::bytes32(code8(i), code8(i + 8), code8(i + 16), code8(i + 24)));
+  }
+};
+// The codes loops run over values the stats pass has just brought into cache, and prefetch (into L2)
+// those kAhead values further on: per token, the next row, whose stats pass then reads from L2 while
+// memory streams during this compute.
+constexpr int64_t kAhead = 4096;
+PPQ_ALWAYS_INLINE inline void prefetch_ahead(const float* x) {
+  _mm_prefetch(reinterpret_cast<const char*>(x + kAhead), _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(x + kAhead + 16), _MM_HINT_T1);
+}
+
+// Codes of x[0, n32) (n32 a multiple of 32) into b.
+PPQ_ALWAYS_INLINE inline void minmax_codes(const float* x, int64_t n32, float p, float mnp, float inv, float lv, uint8_t* b) {
+  const Codes8 code8(p, mnp, inv, lv);
+  for (int64_t i = 0; i < n32; i += 32) {
+    prefetch_ahead(x + i);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(b + i),
+                        ppq::avx2::bytes32(code8(x + i), code8(x + i + 8), code8(x + i + 16), code8(x + i + 24)));
+  }
 }
 
 // Codes of x[0, n32) (n32 a multiple of 32) packed straight into a 4- or 2-bit stream at dst: the codes
@@ -213,17 +231,13 @@ PPQ_ALWAYS_INLINE inline void minmax_codes(const float* x, int64_t n32, float p,
 // order 0 2 4 6 | 1 3 5 7 (groups of 4), which the final in-lane shuffle and interleave restore.
 PPQ_ALWAYS_INLINE inline void minmax_codes_packed(const float* x, int64_t n32, float p, float mnp, float inv, float lv,
                                                   int64_t bits, uint8_t* dst) {
-  const __m256 vp = _mm256_set1_ps(p), vmnp = _mm256_set1_ps(mnp), vinv = _mm256_set1_ps(inv);
-  const __m256 vlv = _mm256_set1_ps(lv), zero = _mm256_setzero_ps(), magic = _mm256_set1_ps(12582912.0f);
-  auto code8 = [&](int64_t i) PPQ_ALWAYS_INLINE {
-    __m256 t = _mm256_mul_ps(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vp), vmnp), vinv);
-    t = _mm256_min_ps(_mm256_max_ps(t, zero), vlv);
-    return _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_add_ps(t, magic), magic));
-  };
+  const Codes8 c8(p, mnp, inv, lv);
+  auto code8 = [&](int64_t i) PPQ_ALWAYS_INLINE { return c8(x + i); };
   if (bits == 2) {
     const __m256i first = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                            0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
     for (int64_t i = 0; i < n32; i += 32) {
+      prefetch_ahead(x + i);
       const __m256i w = _mm256_packus_epi16(_mm256_packs_epi32(code8(i), code8(i + 8)),
                                             _mm256_packs_epi32(code8(i + 16), code8(i + 24)));
       const __m256i t16 = _mm256_maddubs_epi16(w, _mm256_set1_epi16(0x0401));     // c0 + 4 c1, c2 + 4 c3
@@ -234,6 +248,7 @@ PPQ_ALWAYS_INLINE inline void minmax_codes_packed(const float* x, int64_t n32, f
     }
   } else {
     for (int64_t i = 0; i < n32; i += 32) {
+      prefetch_ahead(x + i);
       const __m256i w = _mm256_packus_epi16(_mm256_packs_epi32(code8(i), code8(i + 8)),
                                             _mm256_packs_epi32(code8(i + 16), code8(i + 24)));
       const __m256i t = _mm256_and_si256(_mm256_or_si256(w, _mm256_srli_epi16(w, 4)), _mm256_set1_epi16(0xff));
