@@ -46,7 +46,17 @@ def test_pack_roundtrip_reference(bits, shape, group):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [2, 4, 6, 8])
 @pytest.mark.parametrize(
-    "shape,group", [((7, 33), 33), ((4, 64), 16), ((3, 50), 16), ((2, 4096), 4096), ((5, 9), 4), ((1, 1), 1)]
+    "shape,group",
+    [
+        ((7, 33), 33),
+        ((4, 64), 16),
+        ((3, 50), 16),
+        ((2, 4096), 4096),
+        ((2, 4096), 2048),
+        ((3, 4099), 4099),
+        ((5, 9), 4),
+        ((1, 1), 1),
+    ],
 )
 def test_quant_cpp_equals_reference(dtype, bits, shape, group):
     torch.manual_seed(bits * 100 + shape[1])
@@ -162,7 +172,7 @@ def test_topk_long_rows_equal_reference(case):
 
 @native
 @pytest.mark.parametrize("bits", [1, 3, 7, 13, 17, 23, 31, 41, 56])
-@pytest.mark.parametrize("n", [1, 8, 13, 1000])
+@pytest.mark.parametrize("n", [1, 8, 13, 1000, 8 * 4096 * 2 + 13])
 def test_pack_bits_cpp_equals_reference(bits, n):
     idx = torch.randint(0, 1 << bits, (n,))
     a = torch.empty(ops.packed_nbytes(n, bits), dtype=torch.uint8)
@@ -188,6 +198,19 @@ def test_nonfinite_flagged():
         sc, c, s = torch.empty(3), torch.empty(60, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8)
         ops.fp8_encode(x, 20, 0, sc, c, s)
         assert s.item() == 1
+
+
+@native
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group", [4096, 2048])
+def test_quant_nonfinite_long_rows_equal_reference(bits, group):
+    x = torch.randn(4, 4096, generator=torch.Generator().manual_seed(bits))
+    x[1, 7], x[2, 3000], x[3, 100] = float("nan"), float("inf"), -float("inf")
+    ref = _quant(REF["quant_encode"], x, group, bits)
+    cpp = _quant(ops.quant_encode, x, group, bits)
+    assert torch.equal(ref[0].nan_to_num(), cpp[0].nan_to_num())
+    assert torch.equal(ref[1].nan_to_num(), cpp[1].nan_to_num())
+    assert torch.equal(ref[2], cpp[2]) and torch.equal(ref[3], cpp[3])
 
 
 @native
