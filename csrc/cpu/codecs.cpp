@@ -612,8 +612,10 @@ void fp8_encode(const at::Tensor& x, int64_t group, int64_t fmt, at::Tensor scal
         const __m256 vinv = _mm256_set1_ps(inv);
         auto enc = [&](auto e4m3) {
           auto code8 = [&](int64_t i) PPQ_ALWAYS_INLINE { return ppq::avx2::fp8_codes<decltype(e4m3)::value>(_mm256_mul_ps(_mm256_loadu_ps(p + i), vinv)); };
-          for (int64_t i = 0; i < e0; i += 32)
+          for (int64_t i = 0; i < e0; i += 32) {
+            v2::prefetch_ahead(p + i);
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), ppq::avx2::bytes32(code8(i), code8(i + 8), code8(i + 16), code8(i + 24)));
+          }
         };
         if (fmt == 0) enc(std::true_type{}); else enc(std::false_type{});
       }
