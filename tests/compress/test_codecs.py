@@ -171,7 +171,7 @@ def test_topk_long_rows_equal_reference(case):
 
 
 @native
-@pytest.mark.parametrize("bits", [1, 3, 7, 13, 17, 23, 31, 41, 56])
+@pytest.mark.parametrize("bits", [1, 3, 7, 8, 13, 17, 22, 23, 31, 32, 41, 56])
 @pytest.mark.parametrize("n", [1, 8, 13, 1000, 8 * 4096 * 2 + 13])
 def test_pack_bits_cpp_equals_reference(bits, n):
     idx = torch.randint(0, 1 << bits, (n,))
