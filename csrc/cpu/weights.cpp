@@ -605,6 +605,130 @@ void encode_full_block(const T* x, int64_t len, Fmt f, float mult, uint8_t* code
   }
 }
 
+// Lane maxima of |x|'s bits over one full block (bf16: the 16-bit maxima, pairwise maxed into 32-bit lanes).
+PPQ_ALWAYS_INLINE inline __m256i block_max_lanes(const float* p, int64_t len) {
+  const __m256i mask = _mm256_set1_epi32(0x7fffffff);
+  __m256i m0 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), mask);
+  __m256i m1 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8)), mask);
+  for (int64_t i = 16; i < len; i += 16) {
+    m0 = _mm256_max_epu32(m0, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)), mask));
+    m1 = _mm256_max_epu32(m1, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 8)), mask));
+  }
+  return _mm256_max_epu32(m0, m1);
+}
+PPQ_ALWAYS_INLINE inline __m256i block_max_lanes(const uint16_t* p, int64_t len) {
+  const __m256i mask = _mm256_set1_epi16(0x7fff);
+  __m256i m = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), mask);
+  for (int64_t i = 16; i < len; i += 16)
+    m = _mm256_max_epu16(m, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)), mask));
+  return _mm256_max_epu32(_mm256_and_si256(m, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(m, 16));
+}
+
+// absmax_bits of 8 consecutive full blocks of B values into out[0..7]: the lane maxima of each block, then
+// one transposing tree (22 shuffles and maxes for 8 blocks instead of 8 horizontal reductions of ~7 each,
+// each a serial chain).
+template <typename T>
+PPQ_ALWAYS_INLINE inline void absmax_bits8(const T* p, int64_t B, uint32_t* out) {
+  __m256i v[8], w[4], z[2];
+  for (int k = 0; k < 8; ++k) v[k] = block_max_lanes(p + k * B, B);
+  for (int k = 0; k < 4; ++k)  // [v2k | v2k+1], 4 lanes each
+    w[k] = _mm256_max_epu32(_mm256_permute2x128_si256(v[2 * k], v[2 * k + 1], 0x20),
+                            _mm256_permute2x128_si256(v[2 * k], v[2 * k + 1], 0x31));
+  for (int k = 0; k < 2; ++k)  // 128-bit lane L: 2 lanes each of blocks 4k + L, 4k + 2 + L
+    z[k] = _mm256_max_epu32(_mm256_unpacklo_epi64(w[2 * k], w[2 * k + 1]), _mm256_unpackhi_epi64(w[2 * k], w[2 * k + 1]));
+  const __m256 z0 = _mm256_castsi256_ps(z[0]), z1 = _mm256_castsi256_ps(z[1]);
+  __m256i r = _mm256_max_epu32(_mm256_castps_si256(_mm256_shuffle_ps(z0, z1, 0x88)),
+                               _mm256_castps_si256(_mm256_shuffle_ps(z0, z1, 0xdd)));
+  // lanes: blocks 0 2 4 6 1 3 5 7
+  r = _mm256_permutevar8x32_epi32(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if constexpr (std::is_same_v<T, uint16_t>) r = _mm256_slli_epi32(r, 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), r);
+}
+
+// 32 values at x as four 8-lane vectors. fp32: in order. bf16: widened by interleaving with zeros
+// (vpunpck{l,h}wd, no cross-lane widening), which leaves them as [0-3 8-11], [4-7 12-15], [16-19 24-27],
+// [20-23 28-31]: pack32 below undoes either order with its last permute.
+PPQ_ALWAYS_INLINE inline void load32(const float* x, __m256* v) {
+  for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(x + 8 * k);
+}
+PPQ_ALWAYS_INLINE inline void load32(const uint16_t* x, __m256* v) {
+  const __m256i z = _mm256_setzero_si256();
+  for (int k = 0; k < 2; ++k) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * k));
+    v[2 * k] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h));
+    v[2 * k + 1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
+  }
+}
+// The low bytes of 32 code lanes (load32's order for T), in value order. MASK: clear the upper bytes
+// first (codes that may lie outside 0..255: int codes of NaN, negative int8).
+template <typename T, bool MASK>
+PPQ_ALWAYS_INLINE inline __m256i pack32(const __m256i* c) {
+  __m256i a = c[0], b = c[1], d = c[2], e = c[3];
+  if constexpr (MASK) {
+    const __m256i ff = _mm256_set1_epi32(0xff);
+    a = _mm256_and_si256(a, ff), b = _mm256_and_si256(b, ff), d = _mm256_and_si256(d, ff), e = _mm256_and_si256(e, ff);
+  }
+  const __m256i p = _mm256_packus_epi16(_mm256_packus_epi32(a, b), _mm256_packus_epi32(d, e));
+  if constexpr (std::is_same_v<T, float>)  // dwords [0-3 8-11 16-19 24-27 | 4-7 12-15 20-23 28-31]
+    return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  else  // qwords [0-7 16-23 | 8-15 24-31]
+    return _mm256_permute4x64_epi64(p, 0xd8);
+}
+
+// Encode a run of full blocks (len a multiple of 32, B = 1 << lgB), block b's values multiplied by
+// mult[b]: the codes of encode_full_block() for each block, without a call, a switch and constant set-up
+// per block (at 64 values per block those cost as much as the encoding). code(y) gives 8 codes.
+template <typename T, bool NIBBLES, bool MASK, typename Code>
+PPQ_ALWAYS_INLINE inline void encode_run(const T* x, int64_t len, int lgB, const float* mult, uint8_t* out, Code code) {
+  for (int64_t i = 0; i < len; i += 32) {
+    const __m256 m0 = _mm256_broadcast_ss(mult + (i >> lgB)), m1 = _mm256_broadcast_ss(mult + ((i + 16) >> lgB));
+    __m256 v[4];
+    load32(x + i, v);
+    const __m256i c[4] = {code(_mm256_mul_ps(v[0], m0)), code(_mm256_mul_ps(v[1], m0)), code(_mm256_mul_ps(v[2], m1)),
+                          code(_mm256_mul_ps(v[3], m1))};
+    const __m256i w = pack32<T, MASK>(c);
+    if constexpr (NIBBLES) {  // 16-bit lane: c0 | c1 << 8 -> (c0 << 4) | c1
+      const __m256i t = _mm256_and_si256(_mm256_or_si256(_mm256_slli_epi16(w, 4), _mm256_srli_epi16(w, 8)),
+                                         _mm256_set1_epi16(0xff));
+      const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi16(t, t), 0x08);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i / 2), _mm256_castsi256_si128(p));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), w);
+    }
+  }
+}
+// The run's codes by format. For NF4, mult holds 16 / s (every block's <= 2^124: see encode_full_block).
+template <typename T>
+void encode_full_run(const T* x, int64_t len, int lgB, Fmt f, const float* mult, uint8_t* codes) {
+  switch (f) {
+    case Fmt::I8: {
+      const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+      encode_run<T, false, true>(x, len, lgB, mult, codes,
+                                 [&](__m256 y) PPQ_ALWAYS_INLINE { return _mm256_cvtps_epi32(clamp(y, lo, hi)); });
+      break;
+    }
+    case Fmt::I4: {
+      const __m256 lo = _mm256_set1_ps(-7.0f), hi = _mm256_set1_ps(7.0f);
+      const __m256i eight = _mm256_set1_epi32(8);
+      encode_run<T, true, true>(x, len, lgB, mult, codes, [&](__m256 y) PPQ_ALWAYS_INLINE {
+        return _mm256_add_epi32(_mm256_cvtps_epi32(clamp(y, lo, hi)), eight);
+      });
+      break;
+    }
+    case Fmt::NF4: {
+      const NF4Tables t;
+      encode_run<T, true, false>(x, len, lgB, mult, codes, [&](__m256 y) PPQ_ALWAYS_INLINE { return nf4_codes(t, y); });
+      break;
+    }
+    case Fmt::E4M3:
+      encode_run<T, false, false>(x, len, lgB, mult, codes, [](__m256 y) PPQ_ALWAYS_INLINE { return fp8_codes<true>(y); });
+      break;
+    case Fmt::E5M2:
+      encode_run<T, false, false>(x, len, lgB, mult, codes, [](__m256 y) PPQ_ALWAYS_INLINE { return fp8_codes<false>(y); });
+      break;
+  }
+}
+
 // Decode one block of len (a multiple of 16) values: decode_block()'s values.
 template <typename Out>
 void decode_full_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o) {
@@ -766,6 +890,7 @@ void quantize_impl(const at::Tensor& x, Fmt f, int64_t B, uint8_t* codes, const 
   const int64_t per_chunk = std::max<int64_t>(1, 1024 / B);
   const int64_t nchunks = (nb + per_chunk - 1) / per_chunk;
   const bool par = n > (1 << 15);  // small tensors stay on one thread
+  [[maybe_unused]] const int lgB = std::countr_zero(uint64_t(B));
 #pragma omp parallel for num_threads(par ? threads() : 1) schedule(static)
   for (int64_t ch = 0; ch < nchunks; ++ch) {
     alignas(64) float buf[4096];
@@ -779,6 +904,10 @@ void quantize_impl(const at::Tensor& x, Fmt f, int64_t B, uint8_t* codes, const 
 #if PPQ_ISA_AVX512
       if (B <= 64) {  // short blocks: 16 at a time, without a horizontal reduction each
         for (; j + 16 <= nbc && block_len(b0 + j + 15) == B; j += 16) avx::absmax_bits16(xp + (b0 + j) * B, B, mb + j);
+      }
+#elif PPQ_ISA_AVX2
+      if (B <= 256) {  // 8 at a time, one transposing reduction
+        for (; j + 8 <= nbc && block_len(b0 + j + 7) == B; j += 8) avx::absmax_bits8(xp + (b0 + j) * B, B, mb + j);
       }
 #endif
       for (; j < nbc; ++j) mb[j] = block_absmax(b0 + j, buf);
@@ -799,6 +928,23 @@ void quantize_impl(const at::Tensor& x, Fmt f, int64_t B, uint8_t* codes, const 
     } else {
       for (int64_t j = 0; j < nbc; ++j) mult[j] = inv_scale(sc[j]);
     }
+#if PPQ_ISA_AVX2
+    // A chunk of full blocks (all but the last chunk, or all when the last block is full) in one loop.
+    const int64_t run = block_len(b0 + nbc - 1) == B ? nbc * B : 0;
+    if (run > 0 && run % 32 == 0) {
+      bool ok = true;
+      alignas(64) float m16[64];
+      if (f == Fmt::NF4) {  // 16 / s, as encode_full_block's fast case; a chunk with a block beyond it goes by block
+        for (int64_t j = 0; j < nbc; ++j) ok &= mult[j] <= 0x1p120f;
+        for (int64_t j = 0; j < nbc; ++j) m16[j] = 16.0f * mult[j];
+      }
+      if (ok) {
+        avx::encode_full_run(xp + b0 * B, run, lgB, f, f == Fmt::NF4 ? m16 : mult,
+                             codes + (packed4(f) ? b0 * B / 2 : b0 * B));
+        continue;
+      }
+    }
+#endif
     for (int64_t j = 0; j < nbc; ++j) block_encode(b0 + j, sc[j], mult[j], buf);
   }
 }
