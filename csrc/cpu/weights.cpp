@@ -697,9 +697,38 @@ PPQ_ALWAYS_INLINE inline void encode_run(const T* x, int64_t len, int lgB, const
     }
   }
 }
+// fp8 codes of a run whose values are all finite (so no y is NaN): the magnitude's code per lane, the sign
+// bits packed alongside as bytes (signed saturation keeps the sign: 0x80 or 0x7f, masked to 0x80) and
+// or-ed in before the last permute: fp8_codes()'s bytes without its NaN select and per-lane sign.
+template <typename T, bool E4M3>
+PPQ_ALWAYS_INLINE inline void encode_run_fp8_finite(const T* x, int64_t len, int lgB, const float* mult, uint8_t* out) {
+  const __m256 q = _mm256_set1_ps(E4M3 ? 448.0f : 57344.0f);
+  const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t i = 0; i < len; i += 32) {
+    const __m256 m0 = _mm256_broadcast_ss(mult + (i >> lgB)), m1 = _mm256_broadcast_ss(mult + ((i + 16) >> lgB));
+    __m256 v[4];
+    load32(x + i, v);
+    const __m256 y[4] = {_mm256_mul_ps(v[0], m0), _mm256_mul_ps(v[1], m0), _mm256_mul_ps(v[2], m1), _mm256_mul_ps(v[3], m1)};
+    __m256i c[4];
+    for (int k = 0; k < 4; ++k) c[k] = ppq::avx2::fp8_rne8<E4M3>(_mm256_min_ps(q, _mm256_and_ps(y[k], abs)));
+    const __m256i mag = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+    const __m256i sgn = _mm256_packs_epi16(_mm256_packs_epi32(_mm256_castps_si256(y[0]), _mm256_castps_si256(y[1])),
+                                           _mm256_packs_epi32(_mm256_castps_si256(y[2]), _mm256_castps_si256(y[3])));
+    __m256i w = _mm256_or_si256(mag, _mm256_and_si256(sgn, _mm256_set1_epi8(char(0x80))));
+    if constexpr (std::is_same_v<T, float>)
+      w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    else
+      w = _mm256_permute4x64_epi64(w, 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), w);
+  }
+}
+
 // The run's codes by format. For NF4, mult holds 16 / s (every block's <= 2^124: see encode_full_block).
+// finite: no value of the run is NaN or Inf (the fp8 formats then skip the NaN select).
 template <typename T>
-void encode_full_run(const T* x, int64_t len, int lgB, Fmt f, const float* mult, uint8_t* codes) {
+void encode_full_run(const T* x, int64_t len, int lgB, Fmt f, const float* mult, bool finite, uint8_t* codes) {
+  if (finite && f == Fmt::E4M3) return encode_run_fp8_finite<T, true>(x, len, lgB, mult, codes);
+  if (finite && f == Fmt::E5M2) return encode_run_fp8_finite<T, false>(x, len, lgB, mult, codes);
   switch (f) {
     case Fmt::I8: {
       const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
@@ -871,6 +900,7 @@ void quantize_impl(const at::Tensor& x, Fmt f, int64_t B, uint8_t* codes, const 
     encode_block(load_block<BF16>(xp, b * B, len, buf), len, f, s, len != B, c);
   };
   float tensor_scale = 0.0f;
+  [[maybe_unused]] bool tensor_finite = false;
   if (per_tensor && !given_scales) {
     uint32_t m = 0;
 #pragma omp parallel for num_threads(threads()) schedule(static) reduction(max : m)
@@ -880,6 +910,7 @@ void quantize_impl(const at::Tensor& x, Fmt f, int64_t B, uint8_t* codes, const 
       m = mb > m ? mb : m;
     }
     tensor_scale = make_scale(m, f, bf16_scale);
+    tensor_finite = m < 0x7f800000u;
     if (bf16_scale) sh[0] = f32_to_bf16(tensor_scale); else sf[0] = tensor_scale;
   } else if (per_tensor) {
     tensor_scale = sf[0];
@@ -938,8 +969,12 @@ void quantize_impl(const at::Tensor& x, Fmt f, int64_t B, uint8_t* codes, const 
         for (int64_t j = 0; j < nbc; ++j) ok &= mult[j] <= 0x1p120f;
         for (int64_t j = 0; j < nbc; ++j) m16[j] = 16.0f * mult[j];
       }
+      // finite: the absmax bits were computed here and none is NaN/Inf (given scales say nothing of x)
+      bool finite = !given_scales;
+      if (finite && per_tensor) finite = tensor_finite;
+      else if (finite) for (int64_t j = 0; j < nbc; ++j) finite &= mb[j] < 0x7f800000u;
       if (ok) {
-        avx::encode_full_run(xp + b0 * B, run, lgB, f, f == Fmt::NF4 ? m16 : mult,
+        avx::encode_full_run(xp + b0 * B, run, lgB, f, f == Fmt::NF4 ? m16 : mult, finite,
                              codes + (packed4(f) ? b0 * B / 2 : b0 * B));
         continue;
       }
