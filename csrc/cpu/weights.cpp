@@ -513,6 +513,22 @@ PPQ_ALWAYS_INLINE inline __m256 lookup16(const __m256* t, __m256i k) {
                           _mm256_castsi256_ps(_mm256_slli_epi32(k, 28)));
 }
 
+// 16 fp32 -> bf16 (store16's bits): rounded in 32-bit lanes, packed to words (the rounded values are
+// <= 0xffff: no masking before vpackusdw); where a nan mask lane is set, 0x7fc0 (the masks are packed
+// alongside, one byte blend per 16 values). NANS = false: the caller knows no value is NaN.
+template <bool NANS>
+PPQ_ALWAYS_INLINE inline void store16_bf16(uint16_t* o, __m256 a, __m256 b, __m256i nan_a = __m256i(), __m256i nan_b = __m256i()) {
+  auto round = [](__m256 x) PPQ_ALWAYS_INLINE {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+  };
+  __m256i w = _mm256_packus_epi32(round(a), round(b));
+  if constexpr (NANS) w = _mm256_blendv_epi8(w, _mm256_set1_epi16(0x7fc0), _mm256_packs_epi32(nan_a, nan_b));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm256_permute4x64_epi64(w, 0xd8));
+}
+PPQ_ALWAYS_INLINE inline __m256i isnan8(__m256 x) { return _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
+
 // 8 NF4 codes (one per 32-bit lane) of y16 = 16 y: the number of midpoints m with 16 m < y16, by a
 // four-step binary search over the 15 midpoints (the thresholds of the last two steps by vpermps from
 // 4- and 8-entry tables): 15 operations, 2 permutes. The AVX-512 path's 32 bins need 32-entry look-ups,
@@ -764,6 +780,16 @@ void decode_full_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o
   const __m256 vs = _mm256_set1_ps(s);
   switch (f) {
     case Fmt::I8:
+      if constexpr (std::is_same_v<Out, uint16_t>) {
+        if (std::isfinite(s)) {  // code * s is then never NaN: no NaN select
+          for (int64_t i = 0; i < len; i += 16) {
+            const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
+            store16_bf16<false>(o + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), vs),
+                                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))), vs));
+          }
+          break;
+        }
+      }
       for (int64_t i = 0; i < len; i += 16) {
         const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
         store16(o + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), vs),
@@ -822,6 +848,45 @@ void decode_full_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o
     }
     case Fmt::E4M3:
     case Fmt::E5M2:
+      if constexpr (std::is_same_v<Out, uint16_t>) {
+        // bf16 out: the code's bits moved into place as an fp32 whose value is the code's times 2^-120
+        // (e4m3; 2^-112 e5m2; subnormal codes land on fp32 subnormals, the same scaling), times
+        // s' = s * 2^120: the same real product as value * s, so the same rounded fp32, as long as s' does
+        // not overflow (otherwise the general decode below). NaN codes: any NaN, as bf16 NaN is 0x7fc0.
+        const float k = f == Fmt::E4M3 ? 0x1p120f : 0x1p112f;
+        const float s2 = s * k;
+        if (!(std::isinf(s2) && std::isfinite(s))) {
+          const __m256 vs2 = _mm256_set1_ps(s2);
+          const __m256i m7f = _mm256_set1_epi32(0x7f), sbit = _mm256_set1_epi32(int(0x80000000u));
+          auto value = [&](__m256i c) PPQ_ALWAYS_INLINE {  // c: one code per 32-bit lane
+            const __m256i u = _mm256_and_si256(c, m7f);
+            const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(c, 24), sbit);
+            if (f == Fmt::E4M3) {  // 0x7f (NaN): a finite product here, made NaN by the mask in store
+              const __m256 v = _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(u, 20), sign));
+              return _mm256_mul_ps(v, vs2);
+            }
+            // e5m2: 0x7c Inf, above NaN, placed before the product (Inf * s is Inf, NaN or Inf * 0 = NaN)
+            const __m256i spec = _mm256_or_si256(
+                _mm256_or_si256(_mm256_set1_epi32(0x7f800000), sign),
+                _mm256_and_si256(_mm256_cmpgt_epi32(u, _mm256_set1_epi32(0x7c)), _mm256_set1_epi32(1 << 22)));
+            const __m256i v = _mm256_blendv_epi8(_mm256_or_si256(_mm256_slli_epi32(u, 21), sign), spec,
+                                                 _mm256_cmpgt_epi32(u, _mm256_set1_epi32(0x7b)));
+            return _mm256_mul_ps(_mm256_castsi256_ps(v), vs2);
+          };
+          for (int64_t i = 0; i < len; i += 16) {
+            const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
+            const __m256i c0 = _mm256_cvtepu8_epi32(c), c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(c, 8));
+            const __m256 p0 = value(c0), p1 = value(c1);
+            __m256i n0 = isnan8(p0), n1 = isnan8(p1);
+            if (f == Fmt::E4M3) {
+              n0 = _mm256_or_si256(n0, _mm256_cmpeq_epi32(_mm256_and_si256(c0, m7f), m7f));
+              n1 = _mm256_or_si256(n1, _mm256_cmpeq_epi32(_mm256_and_si256(c1, m7f), m7f));
+            }
+            store16_bf16<true>(o + i, p0, p1, n0, n1);
+          }
+          break;
+        }
+      }
       for (int64_t i = 0; i < len; i += 16) {
         const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
         const __m256i c0 = _mm256_cvtepu8_epi32(c), c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(c, 8));

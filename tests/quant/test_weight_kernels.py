@@ -139,6 +139,24 @@ def test_fp8_conversions_match_torch_on_every_code_and_tie(fmt):
     torch.testing.assert_close(out, every.float(), rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_every_code_to_bf16_matches_reference(fmt, scale_dtype):
+    """Every code, a full block of 256 each (the vector paths), dequantized to bf16 under scales that are
+    ordinary, zero, non-finite, subnormal or so large that a pre-scaled scale would overflow."""
+    dt = wops.code_dtype(fmt)
+    every = torch.arange(256, dtype=torch.uint8).view(dt)
+    scales = torch.tensor([1.0, 0.37, 0.0, float("nan"), float("inf"), 3e-39, 1e-30, 2.0**8, 1e30, 3e38])
+    scales = scales.to(scale_dtype)
+    codes = every.repeat(scales.numel())
+    a, b = (torch.empty(codes.numel(), dtype=torch.bfloat16) for _ in range(2))
+    torch.ops.ppq.weight_dequantize_out(codes, scales, fmt, 256, a)
+    REF["weight_dequantize_out"](codes, scales, fmt, 256, b)
+    nan = b.isnan()  # a NaN's bits are not part of the contract (torch's own casts differ in them)
+    assert torch.equal(a.isnan(), nan), f"{fmt}: NaNs differ"
+    assert torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16)), f"{fmt}: bf16 values differ"
+
+
 def test_nf4_midpoints_and_bin_edges_match_reference():
     """The AVX-512 NF4 encode looks codes up by 1/16-wide bins: every midpoint, every bin edge, and the
     floats either side of each, in a full 4096-value block (the vector path), against the reference."""
