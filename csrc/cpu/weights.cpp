@@ -691,12 +691,22 @@ PPQ_ALWAYS_INLINE inline __m256i pack32(const __m256i* c) {
     return _mm256_permute4x64_epi64(p, 0xd8);
 }
 
+// Prefetch the 32 values at p (the next run's, as far ahead as this run is long): the absmax pass is the
+// only one that reads from memory, and without this the memory sat idle while a run was encoded (the
+// encode's time added to the read's instead of hiding under it). Past the tensor's end it is a no-op.
+PPQ_ALWAYS_INLINE inline void prefetch_next(const float* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p + 16), _MM_HINT_T0);
+}
+PPQ_ALWAYS_INLINE inline void prefetch_next(const uint16_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+
 // Encode a run of full blocks (len a multiple of 32, B = 1 << lgB), block b's values multiplied by
 // mult[b]: the codes of encode_full_block() for each block, without a call, a switch and constant set-up
 // per block (at 64 values per block those cost as much as the encoding). code(y) gives 8 codes.
 template <typename T, bool NIBBLES, bool MASK, typename Code>
 PPQ_ALWAYS_INLINE inline void encode_run(const T* x, int64_t len, int lgB, const float* mult, uint8_t* out, Code code) {
   for (int64_t i = 0; i < len; i += 32) {
+    prefetch_next(x + len + i);
     const __m256 m0 = _mm256_broadcast_ss(mult + (i >> lgB)), m1 = _mm256_broadcast_ss(mult + ((i + 16) >> lgB));
     __m256 v[4];
     load32(x + i, v);
@@ -721,6 +731,7 @@ PPQ_ALWAYS_INLINE inline void encode_run_fp8_finite(const T* x, int64_t len, int
   const __m256 q = _mm256_set1_ps(E4M3 ? 448.0f : 57344.0f);
   const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t i = 0; i < len; i += 32) {
+    prefetch_next(x + len + i);
     const __m256 m0 = _mm256_broadcast_ss(mult + (i >> lgB)), m1 = _mm256_broadcast_ss(mult + ((i + 16) >> lgB));
     __m256 v[4];
     load32(x + i, v);
@@ -798,19 +809,20 @@ void decode_full_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o
       break;
     case Fmt::I4:
     case Fmt::NF4: {
-      alignas(32) float lut[16];
-      for (int k = 0; k < 16; ++k) lut[k] = f == Fmt::NF4 ? kNF4[k] * s : float(k - 8) * s;
+      // The 16 values (code level * s), built in two vector multiplies: built one by one (and rounded to
+      // bf16 one by one) the tables cost more than decoding a 64-value block with them.
+      static constexpr float kI4Levels[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+      const float* level = f == Fmt::NF4 ? kNF4 : kI4Levels;
+      const __m256 l0 = _mm256_mul_ps(_mm256_loadu_ps(level), vs), l1 = _mm256_mul_ps(_mm256_loadu_ps(level + 8), vs);
       if constexpr (std::is_same_v<Out, uint16_t>) {
-        // bf16 out: the 16 values as bf16 (f32_to_bf16, as store() rounds them) in two byte tables, then
-        // byte shuffles: 32 values per 16 code bytes, no conversion per value.
-        alignas(16) uint8_t tlo[16], thi[16];
-        for (int k = 0; k < 16; ++k) {
-          const uint16_t h = f32_to_bf16(lut[k]);
-          tlo[k] = uint8_t(h & 0xff);
-          thi[k] = uint8_t(h >> 8);
-        }
-        const __m128i vlo = _mm_load_si128(reinterpret_cast<const __m128i*>(tlo));
-        const __m128i vhi = _mm_load_si128(reinterpret_cast<const __m128i*>(thi));
+        // bf16 out: the 16 values as bf16 (store16's rounding) in two byte tables, then byte shuffles: 32
+        // values per 16 code bytes, no conversion per value.
+        const __m256i w = ppq::avx2::words16(ppq::avx2::bf16_bits8(l0), ppq::avx2::bf16_bits8(l1));
+        const __m256i split = _mm256_permute4x64_epi64(  // [low bytes 0-15 | high bytes 0-15]
+            _mm256_shuffle_epi8(w, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8,
+                                                    10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)),
+            0xd8);
+        const __m128i vlo = _mm256_castsi256_si128(split), vhi = _mm256_extracti128_si256(split, 1);
         const __m128i m15 = _mm_set1_epi8(15);
         int64_t i = 0;
         for (; i + 32 <= len; i += 32) {
@@ -835,7 +847,7 @@ void decode_full_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o
         }
         break;
       }
-      const __m256 t[2] = {_mm256_load_ps(lut), _mm256_load_ps(lut + 8)};
+      const __m256 t[2] = {l0, l1};
       auto nibbles8 = [](const uint8_t* p) PPQ_ALWAYS_INLINE {  // 4 bytes -> their 8 codes in order, one per 32-bit lane
         int32_t w;
         std::memcpy(&w, p, 4);
