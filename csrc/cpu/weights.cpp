@@ -530,29 +530,31 @@ PPQ_ALWAYS_INLINE inline void store16_bf16(uint16_t* o, __m256 a, __m256 b, __m2
 PPQ_ALWAYS_INLINE inline __m256i isnan8(__m256 x) { return _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
 
 // 8 NF4 codes (one per 32-bit lane) of y16 = 16 y: the number of midpoints m with 16 m < y16, by a
-// four-step binary search over the 15 midpoints (the thresholds of the last two steps by vpermps from
-// 4- and 8-entry tables): 15 operations, 2 permutes. The AVX-512 path's 32 bins need 32-entry look-ups,
+// four-step binary search over the 15 midpoints (the thresholds of the last two steps by vpermilps /
+// vpermps from 4- and 8-entry tables). The AVX-512 path's 32 bins need 32-entry look-ups,
 // four vpermps and three blends each on AVX2 (8 permutes per 8 values: the permute port held NF4 at
 // ~0.2x copy). A NaN goes right at every step (code 15, as the reference's bucketize); values beyond
 // +-16 need no clamp (every midpoint lies inside (-1, 1)).
 struct NF4Tables {
-  __m256 m7, m3, m11, t3, t4;  // 16 x midpoints 7, 3, 11; {1, 5, 9, 13}; {0, 2, ..., 14}
+  __m256 m7, m3, m11, t3, t4;  // 16 x midpoints 7, 3, 11; {1, 5, 9, 13} (in both 128-bit lanes); {0, 2, ..., 14}
   NF4Tables() {
     auto m16 = [](int i) { return kBins16[i]; };
     m7 = _mm256_set1_ps(m16(7)), m3 = _mm256_set1_ps(m16(3)), m11 = _mm256_set1_ps(m16(11));
-    t3 = _mm256_setr_ps(m16(1), m16(5), m16(9), m16(13), 0.0f, 0.0f, 0.0f, 0.0f);
+    t3 = _mm256_setr_ps(m16(1), m16(5), m16(9), m16(13), m16(1), m16(5), m16(9), m16(13));
     t4 = _mm256_setr_ps(m16(0), m16(2), m16(4), m16(6), m16(8), m16(10), m16(12), m16(14));
   }
 };
+// The index grows by one bit per step (i = 2 i + (y16 > threshold); a true compare is -1, so i - gt):
+// 13 operations, the third step's 4-entry look-up in-lane (vpermilps).
 PPQ_ALWAYS_INLINE inline __m256i nf4_codes(const NF4Tables& t, __m256 y16) {
-  __m256 gt = _mm256_cmp_ps(y16, t.m7, _CMP_NLE_UQ);  // y16 > m7, or NaN
-  __m256i c = _mm256_and_si256(_mm256_castps_si256(gt), _mm256_set1_epi32(8));
-  gt = _mm256_cmp_ps(y16, _mm256_blendv_ps(t.m3, t.m11, gt), _CMP_NLE_UQ);
-  c = _mm256_or_si256(c, _mm256_and_si256(_mm256_castps_si256(gt), _mm256_set1_epi32(4)));
-  gt = _mm256_cmp_ps(y16, _mm256_permutevar8x32_ps(t.t3, _mm256_srli_epi32(c, 2)), _CMP_NLE_UQ);
-  c = _mm256_or_si256(c, _mm256_and_si256(_mm256_castps_si256(gt), _mm256_set1_epi32(2)));
-  gt = _mm256_cmp_ps(y16, _mm256_permutevar8x32_ps(t.t4, _mm256_srli_epi32(c, 1)), _CMP_NLE_UQ);
-  return _mm256_sub_epi32(c, _mm256_castps_si256(gt));  // + 1 where y16 > m(c)
+  const __m256i gt1 = _mm256_castps_si256(_mm256_cmp_ps(y16, t.m7, _CMP_NLE_UQ));  // y16 > m7, or NaN
+  const __m256i gt2 = _mm256_castps_si256(
+      _mm256_cmp_ps(y16, _mm256_blendv_ps(t.m3, t.m11, _mm256_castsi256_ps(gt1)), _CMP_NLE_UQ));
+  const __m256i i3 = _mm256_sub_epi32(_mm256_and_si256(gt1, _mm256_set1_epi32(2)), gt2);  // 0..3
+  const __m256i gt3 = _mm256_castps_si256(_mm256_cmp_ps(y16, _mm256_permutevar_ps(t.t3, i3), _CMP_NLE_UQ));
+  const __m256i i4 = _mm256_sub_epi32(_mm256_add_epi32(i3, i3), gt3);  // 0..7
+  const __m256i gt4 = _mm256_castps_si256(_mm256_cmp_ps(y16, _mm256_permutevar8x32_ps(t.t4, i4), _CMP_NLE_UQ));
+  return _mm256_sub_epi32(_mm256_add_epi32(i4, i4), gt4);  // 0..15
 }
 
 // Store the codes of a full block (len a multiple of 16): code8(i) gives the codes of values i..i+7.
