@@ -6,8 +6,9 @@
    (pipeline degree, the engine's own partition methods, micro-batch size, recomputation on/off,
    fp32 or 8-bit Adam) is predicted and measured best-first: after each trial the time and memory
    models are refitted to every trial so far (``calibrate``) and the candidates re-ranked; after
-   ``stock_trials`` that fit, the search goes on while the next candidate that the model says fits is
-   predicted within ``stock_margin`` of the best measured. The fastest whose *measured* peak fits the
+   ``stock_trials`` that fit, the search goes on while the next candidate that the model says may fit
+   (predicted within the budget plus its tolerance, the limit the measurement applies) is predicted
+   within ``stock_margin`` of the best measured. The fastest whose *measured* peak fits the
    budget is the baseline. Its validation loss is measured over ``seeds`` seeds: the quality gate's
    noise. When no stock configuration fits (measured), stock DeepSpeed cannot train at this budget:
    the one with the smallest measured peak, run over the budget, is the quality reference, and a plan
@@ -39,7 +40,6 @@ from deepspeed_ppq.autotune.plan import Plan
 from deepspeed_ppq.autotune.planner import (
     InfeasibleBudgetError,
     PlanningProblem,
-    plan_fits,
     plan_pipeline,
     simulate_plan,
     stock_candidates,
@@ -49,7 +49,7 @@ from deepspeed_ppq.autotune.runner import Profile, TrialResult, TuningRunner
 __all__ = [
     "tune", "summarize", "build_problem", "back_off", "default_micro_batch_sizes", "ladder_plans",
     "same_configuration", "is_stock_configuration",
-    "measured_bubble", "over_budget", "TuningError",
+    "measured_bubble", "over_budget", "may_fit", "TuningError",
 ]
 
 
@@ -154,6 +154,14 @@ def summarize(plan: Plan, trial: TrialResult) -> dict:
 def _budget_limit(settings) -> float | None:
     b = settings.memory_budget
     return None if b is None else b * (1 + settings.memory_tolerance)
+
+
+def may_fit(settings, plan: Plan) -> bool:
+    """Whether a stock candidate is worth measuring: its predicted peak within the limit its measured
+    peak is held to (``memory_budget * (1 + memory_tolerance)``). The stock search is as generous as
+    the measurement: a configuration the model puts a little over the budget may still fit."""
+    limit = _budget_limit(settings)
+    return limit is None or all(sp.peak_memory <= limit for sp in plan.stages)
 
 
 def over_budget(settings, run: dict) -> list[str]:
@@ -375,7 +383,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
     #    configuration that turned out too big takes the ones the model now says are too big with it
     partitions = {p: runner.stock_partitions(p) for p in problem.degrees()}
     cands = stock_candidates(problem, partitions, optimizer_8bit=settings.optimizer_8bit)
-    if not any(plan_fits(problem, c) for c in cands):
+    if not any(may_fit(settings, c) for c in cands):
         try:
             plan_pipeline(problem)
         except InfeasibleBudgetError as e:
@@ -407,7 +415,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
     time_cal = mem_cal = {}
     while len(measured) < _STOCK_TRIAL_CAP * settings.stock_trials:
         cands = stock_candidates(problem, partitions, optimizer_8bit=settings.optimizer_8bit)
-        plan = next((c for c in cands if plan_fits(problem, c) and c.notes[0] not in tried), None)
+        plan = next((c for c in cands if may_fit(settings, c) and c.notes[0] not in tried), None)
         if plan is None:
             break
         done = [m["run"]["measured_step_time"] for m in measured if m["fits"]]
@@ -596,7 +604,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         "profile": profile.to_dict(),
         "stock": {"candidates": [{"notes": c.notes, "predicted_step_time": c.predicted_step_time,
                                   "predicted_peak": max(sp.peak_memory for sp in c.stages),
-                                  "fits": plan_fits(problem, c)} for c in cands],
+                                  "fits": may_fit(settings, c)} for c in cands],
                   "measured": measured},
         "baseline": {"plan": base.to_dict(), "run": base_run, "seeds": seed_losses},
         "gate": gate.to_dict(),
