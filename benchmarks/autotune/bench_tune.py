@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -122,7 +123,9 @@ def sweep_budgets(free: dict, n: int = 6) -> list[float]:
     bottom = 1.12 * min(c["predicted_peak"] for c in free["stock"]["candidates"]) / 2**20
     if bottom >= top:
         return [round(top)]
-    return sorted({round(top * (bottom / top) ** (i / (n - 1))) for i in range(n)}, reverse=True)
+    # the top one rounded up: the fastest stock configuration fits it
+    return sorted({math.ceil(top), *(round(top * (bottom / top) ** (i / (n - 1))) for i in range(1, n))},
+                  reverse=True)
 
 
 def ladder_rows(r: dict) -> list[dict]:
