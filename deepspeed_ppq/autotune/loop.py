@@ -28,6 +28,7 @@ so every rank takes the same decisions. Nothing here imports an engine or a mode
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -337,6 +338,29 @@ def _gate_check(gate, loss: float) -> tuple[bool, str]:
     return bool(res.accepted), str(getattr(res, "reason", res))
 
 
+def _low_bit_alternative(problem: PlanningProblem, plan: Plan, note) -> dict | None:
+    """Why the plan keeps the training dtype, with figures: when it has no low-bit weights though the
+    policy allows some, the best plan whose every stage runs low-bit, as the calibrated model predicts it
+    (not run), against the same model's prediction for ``plan``."""
+    if any(f != "none" for f in plan.layer_formats) or len(problem.levels()) < 2:
+        return None
+    mine = calibrate.predict(problem, plan)["step_time"]
+    try:
+        alt = plan_pipeline(dataclasses.replace(problem, low_bit_only=True))
+    except InfeasibleBudgetError as e:
+        note(f"no plan with low-bit weights on every stage fits the budget: {e}")
+        return {"fits": False, "reason": str(e)}
+    peak = max(sp.peak_memory for sp in alt.stages)
+    note(f"the best plan with low-bit weights on every stage (predicted, not run): p={alt.pipeline_degree} "
+         f"{alt.boundaries}, {alt.micro_batch_size} x {alt.num_microbatches}, formats "
+         f"{sorted(set(alt.layer_formats))}, 8-bit Adam {alt.optimizer_8bit}, master-free {alt.master_free}, "
+         f"recompute {'/'.join(sp.recompute_label for sp in alt.stages)}: "
+         f"{alt.predicted_step_time * 1e3:.1f} ms, peak {fmt_mib(peak)}, against {mine * 1e3:.1f} ms "
+         f"predicted for the plan ({alt.predicted_step_time / mine:.2f}x its time)")
+    return {"fits": True, "plan": alt.to_dict(), "predicted_step_time": alt.predicted_step_time,
+            "plan_predicted_step_time": mine}
+
+
 def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
     """Run the loop (see the module docstring) on every rank.
 
@@ -516,6 +540,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
             break
         note(f"quality gate failed: back off: {change}")
 
+    lowbit = _low_bit_alternative(problem, accepted[0] if accepted else base, note)
     ladder = []
     if not stock_fits:
         if accepted is None:
@@ -616,6 +641,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         "plan": chosen.to_dict(),
         "ab_step_times": ab,
         "ladder": ladder,
+        "low_bit_alternative": lowbit,
         "log": log,
         "seconds": time.perf_counter() - t_start,
     }

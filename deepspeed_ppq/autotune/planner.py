@@ -89,6 +89,8 @@ class PlanningProblem:
         master_free: candidates for master-free low-bit weights (``weights.master="none"``: one setting
             for the whole model, as the config has it; with it on, stages use 8-bit levels only).
         allow_recompute: let the planner checkpoint a stage's activations.
+        low_bit_only: every stage runs a low-bit level (its layers in the format the policy allows them;
+            the others stay in the training dtype): the best plan with low-bit weights, for reports.
         recompute_keep: with recomputation, how many of a stage's last layers may keep their
             activations instead (partial recomputation: the memory left over buys back recompute
             time); empty: a stage recomputes all of its layers or none.
@@ -122,6 +124,7 @@ class PlanningProblem:
     master_free: list[bool] = field(default_factory=lambda: [False])
     allow_recompute: bool = True
     recompute_keep: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    low_bit_only: bool = False
     link: LinkModel = DEFAULT_LINK
     optimizer_s_per_param: float = 0.0
     optimizer_cost_ratio: dict[str, float] = field(default_factory=dict)
@@ -321,7 +324,11 @@ def _seg(pre: np.ndarray) -> np.ndarray:
 def stage_levels(prob: PlanningProblem, k: Knobs) -> list[str]:
     """Precision levels a stage may use under knobs ``k`` (master-free: ``none`` and 8-bit formats)."""
     levels = prob.levels()
-    return [lv for lv in levels if lv == "none" or lv in MASTER_FREE_FORMATS] if k.master_free else levels
+    if k.master_free:
+        levels = [lv for lv in levels if lv == "none" or lv in MASTER_FREE_FORMATS]
+    if prob.low_bit_only and len(levels) > 1:
+        levels = [lv for lv in levels if lv != "none"]
+    return levels
 
 
 def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_free: bool = False) -> tuple:

@@ -239,6 +239,30 @@ def test_leftover_memory_buys_back_recomputation():
     assert Plan.from_dict(plan.to_dict()).stages[0].keep_last == plan.stages[0].keep_last
 
 
+def test_low_bit_only_runs_every_stage_low_bit():
+    """``low_bit_only`` (the report's "best plan with low-bit weights"): every stage at a low-bit level,
+    its blocks in that format and the embedding and head in the training dtype; never faster than the
+    free choice."""
+    prob = _problem(2, 8, world_size=2, global_batch=8, pipeline_degrees=[2])
+    free = plan_pipeline(prob)
+    forced = plan_pipeline(dataclasses.replace(prob, low_bit_only=True))
+    for sp in forced.stages:
+        blocks = [f for i, f in zip(range(*sp.layers), sp.formats) if prob.layers[i].kind == "block"]
+        assert blocks and all(f != "none" for f in blocks) and len(set(blocks)) == 1
+    assert forced.layer_formats[0] == "none" and forced.layer_formats[-1] == "none"
+    assert forced.predicted_step_time >= free.predicted_step_time
+    # the tuner's note when its plan keeps the training dtype: the forced plan's figures against its own
+    from deepspeed_ppq.autotune.loop import _low_bit_alternative
+
+    notes = []
+    stock = dataclasses.replace(free, stages=[dataclasses.replace(sp, formats=["none"] * len(sp.formats))
+                                              for sp in free.stages])
+    alt = _low_bit_alternative(prob, stock, notes.append)
+    assert alt["fits"] and alt["predicted_step_time"] == pytest.approx(forced.predicted_step_time)
+    assert "the best plan with low-bit weights on every stage (predicted, not run)" in notes[0]
+    assert _low_bit_alternative(prob, forced, notes.append) is None and len(notes) == 1
+
+
 def test_optimizer_kinds_are_charged_their_measured_cost():
     """8-bit states and the master-free update cost what the profiler measured (here 4x fp32 Adam for
     8-bit states, a ratio of the kind a CPU measures): each parameter is charged by what updates it, and
