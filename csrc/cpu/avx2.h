@@ -33,8 +33,9 @@ PPQ_ALWAYS_INLINE inline uint32_t hmax_epu32(__m256i m) {
   return uint32_t(_mm_cvtsi128_si32(x));
 }
 
-// Bits of max |x| over len values (a positive multiple of 16); >= 0x7f800000 when some are NaN/Inf.
-PPQ_ALWAYS_INLINE inline uint32_t absmax_bits(const float* p, int64_t len) {
+// Lane-wise maxima of |x| bits over len values (len a positive multiple of 16): 8 u32 lanes whose max
+// is the bits of max |x| (bf16: the 16-bit maxima, pairwise maxed into 32-bit lanes, to shift left by 16).
+PPQ_ALWAYS_INLINE inline __m256i block_max_lanes(const float* p, int64_t len) {
   const __m256i mask = _mm256_set1_epi32(0x7fffffff);
   __m256i m0 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), mask);
   __m256i m1 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8)), mask);
@@ -42,15 +43,22 @@ PPQ_ALWAYS_INLINE inline uint32_t absmax_bits(const float* p, int64_t len) {
     m0 = _mm256_max_epu32(m0, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)), mask));
     m1 = _mm256_max_epu32(m1, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 8)), mask));
   }
-  return hmax_epu32(_mm256_max_epu32(m0, m1));
+  return _mm256_max_epu32(m0, m1);
+}
+PPQ_ALWAYS_INLINE inline __m256i block_max_lanes(const uint16_t* p, int64_t len) {
+  const __m256i mask = _mm256_set1_epi16(0x7fff);
+  __m256i m = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), mask);
+  for (int64_t i = 16; i < len; i += 16)
+    m = _mm256_max_epu16(m, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)), mask));
+  return _mm256_max_epu32(_mm256_and_si256(m, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(m, 16));
+}
+
+// Bits of max |x| over len values (a positive multiple of 16); >= 0x7f800000 when some are NaN/Inf.
+PPQ_ALWAYS_INLINE inline uint32_t absmax_bits(const float* p, int64_t len) {
+  return hmax_epu32(block_max_lanes(p, len));
 }
 PPQ_ALWAYS_INLINE inline uint32_t absmax_bits(const uint16_t* p, int64_t len) {
-  const __m256i mask = _mm256_set1_epi16(0x7fff);
-  __m256i m = _mm256_setzero_si256();
-  for (int64_t i = 0; i < len; i += 16)
-    m = _mm256_max_epu16(m, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)), mask));
-  const __m256i w = _mm256_max_epu32(_mm256_and_si256(m, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(m, 16));
-  return hmax_epu32(w) << 16;
+  return hmax_epu32(block_max_lanes(p, len)) << 16;
 }
 
 // Round-to-nearest-even fp8 codes of 8 magnitudes a in [0, Q] (avx512.h's fp8_rne16).

@@ -511,6 +511,7 @@ void decode_full_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o
 namespace avx {
 
 using ppq::avx2::absmax_bits;
+using ppq::avx2::block_max_lanes;
 using ppq::avx2::bytes16;
 using ppq::avx2::bytes32;
 using ppq::avx2::fp8_codes;
@@ -634,25 +635,6 @@ void encode_full_block(const T* x, int64_t len, Fmt f, float mult, uint8_t* code
       store_bytes(len, codes, [&](int64_t i) PPQ_ALWAYS_INLINE { return fp8_codes<false>(_mm256_mul_ps(load8(x + i), inv)); });
       break;
   }
-}
-
-// Lane maxima of |x|'s bits over one full block (bf16: the 16-bit maxima, pairwise maxed into 32-bit lanes).
-PPQ_ALWAYS_INLINE inline __m256i block_max_lanes(const float* p, int64_t len) {
-  const __m256i mask = _mm256_set1_epi32(0x7fffffff);
-  __m256i m0 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), mask);
-  __m256i m1 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8)), mask);
-  for (int64_t i = 16; i < len; i += 16) {
-    m0 = _mm256_max_epu32(m0, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)), mask));
-    m1 = _mm256_max_epu32(m1, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 8)), mask));
-  }
-  return _mm256_max_epu32(m0, m1);
-}
-PPQ_ALWAYS_INLINE inline __m256i block_max_lanes(const uint16_t* p, int64_t len) {
-  const __m256i mask = _mm256_set1_epi16(0x7fff);
-  __m256i m = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), mask);
-  for (int64_t i = 16; i < len; i += 16)
-    m = _mm256_max_epu16(m, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)), mask));
-  return _mm256_max_epu32(_mm256_and_si256(m, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(m, 16));
 }
 
 // absmax_bits of 8 consecutive full blocks of B values into out[0..7]: the lane maxima of each block, then
