@@ -244,16 +244,17 @@ def main() -> int:
             free = _tune(w, 1 << 20, Path(tmp) / "free", model, {"ladder": False, "seeds": 1, "ab_repeats": 0,
                                                               "max_iterations": 1})
             unconstrained = free["baseline"]["plan"] if "error" not in free else None
+            ladder_ok = ladder is not None and "error" not in ladder
             if not budgets and unconstrained is not None:
                 budgets = sweep_budgets(free)
                 # the ladder's tune is the sweep's row at its budget: the nearest sweep budget within
                 # 10% moves onto it (one tune less)
                 near = min(budgets, key=lambda b: abs(b - w.budget_mb))
-                if ladder is not None and "error" not in ladder and abs(near / w.budget_mb - 1) < 0.1:
+                if ladder_ok and abs(near / w.budget_mb - 1) < 0.1:
                     budgets[budgets.index(near)] = w.budget_mb
             rows = []
             for b in budgets:
-                reuse = ladder is not None and "error" not in ladder and b == w.budget_mb
+                reuse = ladder_ok and b == w.budget_mb  # the ladder's tune is this budget's
                 r = ladder if reuse else _tune(w, b, Path(tmp) / f"b{b:g}", model, {"ladder": False})
                 rows.append(sweep_row(b, r, unconstrained))
                 print(json.dumps(rows[-1]), flush=True)

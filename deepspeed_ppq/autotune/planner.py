@@ -492,7 +492,7 @@ def solve_partition(
     stages = []
     for s, (i, j) in enumerate(zip(best_cuts, best_cuts[1:])):
         level, rec, keep = tabs.options[int(tabs.option[s, i, j])]
-        stages.append(StageChoice(int(i), int(j), level, rec, min(keep, int(j - i)) if rec else 0))
+        stages.append(StageChoice(int(i), int(j), level, rec, min(keep, int(j - i))))
     return best, stages
 
 
@@ -593,7 +593,7 @@ def _infeasible_message(prob: PlanningProblem, space: list[Knobs]) -> str:
     options = _segment_tables(PlanningProblem(**{**prob.__dict__, "memory_budget": None}), k).options
     for s, (i, j) in enumerate(zip(cuts, cuts[1:])):
         for level, rec, keep in options:
-            mem = stage_memory(prob, k, StageChoice(i, j, level, rec, keep if rec else 0), s)
+            mem = stage_memory(prob, k, StageChoice(i, j, level, rec, keep), s)
             if abs(sum(mem.values()) - need) < 1:
                 worst = (s, i, j, level, rec, mem)
     msg = (

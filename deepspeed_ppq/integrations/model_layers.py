@@ -121,8 +121,8 @@ def recompute_layer_flags(specs: list, block_layers: list[int] | None, layers) -
     if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(specs) for i in chosen):
         raise PPQConfigError(f"pipeline.recompute_layers={chosen!r}: needs global layer indices in "
                              f"[0, {len(specs)})")
-    kinds = layer_kinds(specs, block_layers)
-    return [i in set(chosen) and kinds[i] != "embed" for i in range(len(specs))]
+    kinds, chosen = layer_kinds(specs, block_layers), set(chosen)
+    return [i in chosen and kinds[i] != "embed" for i in range(len(specs))]
 
 
 def deepspeed_partitions(param_counts: list[int], pipeline_degree: int, block_layers: list[int] | None = None,

@@ -146,7 +146,8 @@ class PPQPipelineModule(PipelineModule):
 
             plan = load_plan(cfg.plan_file)
             plan.check_model(model_fingerprint(list(layers)), f"plan file {cfg.plan_file}")
-            kwargs.pop("recompute_stages", None), kwargs.pop("recompute_layers", None)
+            for key in ("recompute_stages", "recompute_layers"):  # the plan decides recomputation
+                kwargs.pop(key, None)
             return plan_module(plan, list(layers), kwargs.pop("loss_fn", None),
                                cfg.weights.model_dump(mode="json"), kwargs.pop("block_layers", None),
                                **kwargs)
