@@ -41,7 +41,7 @@ sys.path[:0] = [str(ROOT / "examples" / "demo"), str(ROOT / "examples")]  # work
 from _harness import RESULTS, loadavg, machine, machine_line, write_report  # noqa: E402
 from workloads import SCRIPT, ds_config, script_args, settings  # noqa: E402
 
-from deepspeed_ppq.autotune.loop import measured_bubble  # noqa: E402
+from deepspeed_ppq.autotune.loop import measured_bubble, stage_compute  # noqa: E402
 from deepspeed_ppq.autotune.plan import Plan  # noqa: E402
 
 
@@ -135,6 +135,7 @@ def ladder_rows(r: dict) -> list[dict]:
         rows.append({"rung": rung["rung"], "plan": _plan_label(rung["plan"]),
                      "samples_per_s": r["global_batch"] / run["measured_step_time"],
                      "step_ms": run["measured_step_time"] * 1e3, "bubble": measured_bubble(run),
+                     "compute_ms": " / ".join(f"{t * 1e3:.0f}" for t in stage_compute(run)),
                      "peaks_mb": _peaks(run), "val_loss": run.get("quality_val_loss", run["val_loss"])})
     return rows
 
@@ -154,15 +155,18 @@ def _markdown(w, m: dict, ladder: dict | None, rows: list[dict], budget_ref: flo
                    f"Quality gate: baseline validation loss {g['mean']:.4f} over {len(g['losses'])} seeds "
                    f"(spread {g['spread']:.4f}), limit {g['limit']:.4f} (+{g['tolerance']:.0%}). Outcome: "
                    f"**{ladder['outcome']}**.", "",
-                   "| rung | configuration | samples/s | step ms | bubble | peak MiB per stage | val loss |",
-                   "|---|---|---|---|---|---|---|"]
+                   "Forward + backward ms per stage: each stage's compute per step (recomputation "
+                   "included), apart from the bubble.", "",
+                   "| rung | configuration | samples/s | step ms | bubble | forward + backward ms per stage "
+                   "| peak MiB per stage | val loss |",
+                   "|---|---|---|---|---|---|---|---|"]
             lrows = ladder_rows(ladder)
             for x in lrows:
                 md.append(f"| {x['rung']} | {x['plan']} | {x['samples_per_s']:.1f} | {x['step_ms']:.0f} | "
-                          f"{x['bubble']:.2f} | {x['peaks_mb']} | {x['val_loss']:.4f} |")
+                          f"{x['bubble']:.2f} | {x['compute_ms']} | {x['peaks_mb']} | {x['val_loss']:.4f} |")
             if not lrows:
                 md.append("| (no ladder: the tuned plan did not beat the best stock configuration) |"
-                          " | | | | | |")
+                          " | | | | | | |")
             md += ["", "Tuner log:", "", *[f"    {line}" for line in ladder["log"]], ""]
     if rows:
         md += ["## Budget sweep", "",

@@ -50,7 +50,7 @@ from deepspeed_ppq.autotune.runner import Profile, TrialResult, TuningRunner
 __all__ = [
     "tune", "summarize", "build_problem", "back_off", "default_micro_batch_sizes", "ladder_plans",
     "same_configuration", "is_stock_configuration",
-    "measured_bubble", "over_budget", "may_fit", "TuningError",
+    "measured_bubble", "stage_compute", "over_budget", "may_fit", "TuningError",
 ]
 
 
@@ -221,6 +221,13 @@ def measured_bubble(run: dict) -> float:
     idle = [max(0.0, 1 - sum(st["measured_instructions_per_step"].get(k, 0.0) for k in _COMPUTE) / step)
             for st in run["stages"]]
     return statistics.mean(idle) if idle and step > 0 else 0.0
+
+
+def stage_compute(run: dict) -> list[float]:
+    """Seconds per step each stage spends in forward and backward passes (recomputation included): what
+    a rung's low-bit weights or re-balanced boundaries change, apart from the bubble."""
+    return [st["measured_instructions_per_step"].get("ForwardPass", 0.0)
+            + st["measured_instructions_per_step"].get("BackwardPass", 0.0) for st in run["stages"]]
 
 
 def is_stock_configuration(plan: Plan, partitions: dict[int, dict[str, list[int]]]) -> bool:

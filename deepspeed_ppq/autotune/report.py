@@ -12,6 +12,7 @@ import os
 import statistics
 from pathlib import Path
 
+from deepspeed_ppq.autotune.loop import stage_compute
 from deepspeed_ppq.autotune.memory import CATEGORIES, MIB
 from deepspeed_ppq.autotune.plan import Plan
 
@@ -119,8 +120,12 @@ def format_report(result: dict) -> str:
         lines += ["", "## The ladder: one feature at a time", "",
                   "Each rung is one trial, timed on its own (the result above is the median of "
                   "alternating runs, so it and the last rung differ by the machine's timing noise).", "",
-                  "| rung | samples/s | vs stock | bubble | peak MiB per stage | val loss | configuration |",
-                  "|---|---|---|---|---|---|---|"]
+                  "Forward + backward ms per stage: the compute each stage does per step (recomputation "
+                  "included), apart from the bubble; low-bit weights change it by their dequantization, "
+                  "the fill by the micro-batch size and recomputation.", "",
+                  "| rung | samples/s | vs stock | bubble | forward + backward ms per stage "
+                  "| peak MiB per stage | val loss | configuration |",
+                  "|---|---|---|---|---|---|---|---|"]
         for rec in result["ladder"]:
             run, plan = rec["run"], Plan.from_dict(rec["plan"])
             peaks = " / ".join(_mib(st["measured_memory"]["total"]) for st in run["stages"])
@@ -131,9 +136,10 @@ def format_report(result: dict) -> str:
                     f"{', 8-bit Adam' if plan.optimizer_8bit else ''}, recompute "
                     f"{'/'.join(sp.recompute_label for sp in plan.stages)}, codecs "
                     f"{plan.activation_codec.get('method')}/{plan.gradient_codec.get('method')}")
+            compute = " / ".join(f"{t * 1e3:.0f}" for t in stage_compute(run))
             lines.append(f"| {rec['rung']} | {run['samples_per_second']:.1f} | "
-                         f"{t0 / run['measured_step_time']:.2f}x | {rec['bubble']:.1%} | {peaks} | "
-                         f"{run.get('quality_val_loss', run['val_loss']):.4f} | {conf} |")
+                         f"{t0 / run['measured_step_time']:.2f}x | {rec['bubble']:.1%} | {compute} | "
+                         f"{peaks} | {run.get('quality_val_loss', run['val_loss']):.4f} | {conf} |")
     g = result["gate"]
     lines += ["", f"Quality gate: baseline validation loss {g.get('mean', 0):.4f} over "
               f"{len(g.get('losses', []))} seed(s), spread {g.get('spread', 0):.4f}, limit "
