@@ -143,10 +143,16 @@ def test_fp8_conversions_match_torch_on_every_code_and_tie(fmt):
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
 def test_every_code_to_bf16_matches_reference(fmt, scale_dtype):
     """Every code, a full block of 256 each (the vector paths), dequantized to bf16 under scales that are
-    ordinary, zero, non-finite, subnormal or so large that a pre-scaled scale would overflow."""
+    ordinary, negative, zero, non-finite, subnormal, huge, either side of the edges of the fp8 table
+    path (s in [2^-120, 2^119) for e4m3, [2^-112, 2^112) for e5m2), and 48 drawn log-uniformly."""
     dt = wops.code_dtype(fmt)
     every = torch.arange(256, dtype=torch.uint8).view(dt)
-    scales = torch.tensor([1.0, 0.37, 0.0, float("nan"), float("inf"), 3e-39, 1e-30, 2.0**8, 1e30, 3e38])
+    below = 1 - 2.0**-24
+    edges = [2.0**-120, 2.0**-120 * below, 2.0**-112, 2.0**-112 * below, 2.0**119, 2.0**119 * below,
+             2.0**112, 2.0**112 * below]
+    drawn = torch.exp2(torch.empty(48).uniform_(-135, 128, generator=torch.Generator().manual_seed(0)))
+    scales = torch.cat([torch.tensor([1.0, 0.37, -0.37, 0.0, float("nan"), float("inf"), 3e-39, 1e-30, 2.0**8,
+                                      1e30, 3e38, *edges]), drawn])
     scales = scales.to(scale_dtype)
     codes = every.repeat(scales.numel())
     a, b = (torch.empty(codes.numel(), dtype=torch.bfloat16) for _ in range(2))
