@@ -307,6 +307,29 @@ def ladder_plans(problem: PlanningProblem, base: Plan, tuned: Plan,
     return rungs
 
 
+def _repeat_ladder(runner: TuningRunner, settings, ladder: list[dict]) -> None:
+    """Time every rung ``settings.ab_repeats`` more times, the rungs alternating so that load drifts hit
+    each alike (one trial per rung swung by 10-30% on a shared 2-core machine): a rung's step time becomes
+    the median over its trials (``repeat_step_times`` keeps them), its per-instruction times the mean."""
+    runs = [[] for _ in ladder]
+    for _ in range(settings.ab_repeats):
+        for k, rec in enumerate(ladder):
+            runs[k].append(runner.run_trial(Plan.from_dict(rec["plan"]), settings, seed=0,
+                                            steps=settings.trial_steps))
+    for rec, trials in zip(ladder, runs):
+        run = rec["run"]
+        times = [run["measured_step_time"], *(t.step_time for t in trials)]
+        run["repeat_step_times"] = times
+        run["measured_step_time"] = statistics.median(times)
+        run["samples_per_second"] *= times[0] / run["measured_step_time"]
+        stages = []
+        for k, st in enumerate(run["stages"]):
+            seen = [st["measured_instructions_per_step"], *(t.stages[k].instructions for t in trials)]
+            mean = {name: statistics.mean(d.get(name, 0.0) for d in seen) for name in seen[0]}
+            stages.append({**st, "measured_instructions_per_step": mean})
+        run["stages"] = stages
+
+
 class _Gate:
     """Validation loss of a plan against a baseline measured over fewer than ``gate.MIN_SEEDS`` seeds:
     the relative tolerance alone, with no measure of the noise (quick runs and tests only; reports
@@ -604,8 +627,8 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
                 note(f"the plan passed the checks but ran no faster than the best stock configuration "
                      f"({t_base * 1e3:.1f} vs {t_tuned * 1e3:.1f} ms): the stock configuration is the plan")
         if settings.ladder and outcome == "tuned":
-            base_run["quality_val_loss"] = seed_losses[0]
-            ladder.append({"rung": "best stock configuration", "plan": base.to_dict(), "run": base_run})
+            ladder.append({"rung": "best stock configuration", "plan": base.to_dict(),
+                           "run": {**base_run, "quality_val_loss": seed_losses[0]}})
             previous = base
             for label, rung in ladder_plans(problem, base, accepted[0], partitions):
                 if same_configuration(rung, previous):
@@ -613,7 +636,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
                 previous = rung
                 stamp(rung)
                 if rung is accepted[0]:
-                    run = accepted[1]
+                    run = dict(accepted[1])
                 else:
                     run = summarize(rung, runner.run_trial(rung, settings, seed=0))
                     run["quality_val_loss"] = quality(rung, 0)
@@ -621,6 +644,11 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
                 note(f"ladder: {label}: {run['measured_step_time'] * 1e3:.1f} ms, peak "
                      f"{fmt_mib(run['peak_memory'])}, val loss "
                      f"{run.get('quality_val_loss', run['val_loss']):.4f}")
+        if ladder and settings.ab_repeats:
+            _repeat_ladder(runner, settings, ladder)
+            medians = ", ".join(f"{rec['run']['measured_step_time'] * 1e3:.1f}" for rec in ladder)
+            note(f"ladder: every rung timed {1 + settings.ab_repeats} times, the rungs alternating; "
+                 f"median ms {medians}")
         for rec in ladder:
             rec["bubble"] = measured_bubble(rec["run"])
         if chosen is base and not stock_plan_won:

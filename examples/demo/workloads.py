@@ -52,7 +52,7 @@ _TUNE = {"trial_steps": 8, "warmup_steps": 2, "seeds": 3, "quality_steps": 60, "
          "stock_trials": 3, "val_batches": 4, "profile_reps": 3, "max_iterations": 3,
          "pipeline_degrees": [1, 2], "ab_repeats": 2, "ladder": True}
 _QUICK_TUNE = {"trial_steps": 4, "warmup_steps": 1, "seeds": 1, "stock_trials": 2, "val_batches": 2,
-               "profile_reps": 2, "max_iterations": 2, "pipeline_degrees": [2], "ab_repeats": 0,
+               "profile_reps": 2, "max_iterations": 2, "pipeline_degrees": [2], "ab_repeats": 1,
                "quality_steps": 4, "ladder": True}
 
 WORKLOADS = {

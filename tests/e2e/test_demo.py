@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,9 @@ def test_quick_demo_end_to_end(tmp_path):
     if result["outcome"] == "tuned" and result["ladder"]:  # the ladder opens the report and is plotted
         assert "## The ladder" in report and (tmp_path / "ladder.png").exists()
         assert result["ladder"][0]["rung"] == "best stock configuration"
+        for rec in result["ladder"]:  # every rung timed 1 + ab_repeats times, the rungs alternating
+            times = rec["run"]["repeat_step_times"]
+            assert len(times) == 2 and rec["run"]["measured_step_time"] == statistics.median(times)
     train_log = (tmp_path / "train.log").read_text()
     assert "step time: median" in train_log
     plan = json.loads((tmp_path / "tune" / "plan.json").read_text())
