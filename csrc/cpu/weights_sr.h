@@ -140,13 +140,14 @@ inline float stored_scale(float absmax, bool bad, float q, bool scale_bf16) {
 }
 
 // Random numbers of counters c0 .. c0 + len - 1 (len <= 4096) into u: a pure 32-bit integer loop. The
-// 64-bit counter c0 + j is split as base + j with j < 2^32, so the high word only needs a carry.
+// 64-bit counter c0 + j is split as base + j with j < 2^32, so the high word only needs a carry; its
+// hash (sr_ops.py: h(key ^ high word)) is one of two values per block.
 inline void block_uniforms(uint64_t c0, int64_t len, uint32_t key, float* __restrict u) {
   const uint32_t blo = static_cast<uint32_t>(c0), bhi = static_cast<uint32_t>(c0 >> 32);
+  const uint32_t k0 = hash32(key ^ bhi), k1 = hash32(key ^ (bhi + 1u));
   for (uint32_t j = 0; j < static_cast<uint32_t>(len); ++j) {
     const uint32_t lo = blo + j;
-    const uint32_t hi = bhi + (lo < blo ? 1u : 0u);
-    const uint32_t r = hash32(hash32(lo ^ key) ^ hi);
+    const uint32_t r = hash32(lo ^ (lo < blo ? k1 : k0));
     u[j] = static_cast<float>(static_cast<int32_t>(r >> 8)) * 5.9604644775390625e-08f;  // 2^-24
   }
 }
@@ -229,16 +230,17 @@ PPQ_ALWAYS_INLINE inline int64_t encode_fused_avx2(const void* x, int64_t len, f
                                                    uint8_t* codes) {
   using T = std::conditional_t<BF16, uint16_t, float>;
   const int64_t n16 = len & ~int64_t(15);
-  const __m256i vblo = _mm256_set1_epi32(int32_t(uint32_t(c0))), vbhi = _mm256_set1_epi32(int32_t(uint32_t(c0 >> 32)));
-  const __m256i vkey = _mm256_set1_epi32(int32_t(key)), bias = _mm256_set1_epi32(int32_t(0x80000000u));
+  const uint32_t bhi = uint32_t(c0 >> 32);
+  const __m256i vblo = _mm256_set1_epi32(int32_t(uint32_t(c0))), bias = _mm256_set1_epi32(int32_t(0x80000000u));
+  const __m256i k0 = _mm256_set1_epi32(int32_t(hash32(key ^ bhi))), k1 = _mm256_set1_epi32(int32_t(hash32(key ^ (bhi + 1u))));
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   auto uniforms8 = [&](int64_t j) PPQ_ALWAYS_INLINE {
     const __m256i lo = _mm256_add_epi32(vblo, _mm256_add_epi32(_mm256_set1_epi32(int32_t(j)), lane));
-    __m256i hi = vbhi;
+    __m256i k = k0;
     if constexpr (CARRY) {  // lo < blo (unsigned): the counter wrapped into the next 2^32
-      hi = _mm256_sub_epi32(hi, _mm256_cmpgt_epi32(_mm256_xor_si256(vblo, bias), _mm256_xor_si256(lo, bias)));
+      k = _mm256_blendv_epi8(k0, k1, _mm256_cmpgt_epi32(_mm256_xor_si256(vblo, bias), _mm256_xor_si256(lo, bias)));
     }
-    const __m256i r = hash8(_mm256_xor_si256(hash8(_mm256_xor_si256(lo, vkey)), hi));
+    const __m256i r = hash8(_mm256_xor_si256(lo, k));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 8)), _mm256_set1_ps(5.9604644775390625e-08f));
   };
   const T* xp = static_cast<const T*>(x);

@@ -60,7 +60,7 @@ __device__ __forceinline__ uint32_t hash32(uint32_t x) {  // "lowbias32"
   return x;
 }
 __device__ __forceinline__ float uniform24(uint64_t c, uint32_t key) {
-  const uint32_t r = hash32(hash32(uint32_t(c) ^ key) ^ uint32_t(c >> 32));
+  const uint32_t r = hash32(uint32_t(c) ^ hash32(key ^ uint32_t(c >> 32)));
   return __fmul_rn(float(r >> 8), 0x1p-24f);
 }
 

@@ -15,12 +15,14 @@ follows bit for bit, given the same ``seed`` and ``offset``:
   ``[-Q, Q]``. A block holding NaN/Inf gets a NaN scale and zero codes (the front end raises).
 * Random bits per element ``i`` (flat index): a counter ``c = offset + i`` and
 
-      key = h(seed mod 2^32);  r = h(h((c mod 2^32) xor key) xor (c >> 32) mod 2^32);  u = (r >> 8) / 2^24
+      key = h(seed mod 2^32);  r = h((c mod 2^32) xor h(key xor (c >> 32) mod 2^32));  u = (r >> 8) / 2^24
 
   with ``h`` the 32-bit integer hash "lowbias32" (x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15;
-  x *= 0x846ca68b; x ^= x >> 16, arithmetic mod 2^32). ``u`` is uniform on the 2^24 multiples of
-  2^-24 in [0, 1). Counter-based: no generator state, any element can be computed alone (the CUDA
-  kernel, threads in any order), and one ``(seed, offset)`` names one draw.
+  x *= 0x846ca68b; x ^= x >> 16, arithmetic mod 2^32), a bijection with full avalanche. The inner hash
+  depends only on the counter's high word, so it is one constant per 2^32 elements and each element
+  costs one hash (the hash is most of a vector kernel's work per value). ``u`` is uniform on the 2^24
+  multiples of 2^-24 in [0, 1). Counter-based: no generator state, any element can be computed alone
+  (the CUDA kernel, threads in any order), and one ``(seed, offset)`` names one draw.
 * Rounding on the magnitude ``a = |y|``: ``lo`` is the largest grid value ``<= a`` and ``hi`` the next
   one (int8: ``floor(a)`` and ``floor(a) + 1``; fp8: neighbouring codes of the format, found from the
   round-to-nearest-even code). Round up iff ``u * (hi - lo) < a - lo``; both sides are exact in fp32
@@ -67,7 +69,7 @@ def sr_uniform(n: int, seed: int, offset: int = 0, device=None) -> torch.Tensor:
     """The ``n`` random numbers ``u`` in [0, 1) (fp32, multiples of 2^-24) of draw ``(seed, offset)``."""
     c = torch.arange(n, dtype=torch.int64, device=device) + offset
     key = _hash32(torch.tensor(seed & _M32, dtype=torch.int64, device=device))
-    r = _hash32(_hash32((c & _M32) ^ key) ^ ((c >> 32) & _M32))
+    r = _hash32((c & _M32) ^ _hash32(key ^ ((c >> 32) & _M32)))
     return (r >> 8).to(torch.float32) * (2.0**-24)
 
 
