@@ -307,6 +307,48 @@ def ladder_plans(problem: PlanningProblem, base: Plan, tuned: Plan,
     return rungs
 
 
+RUNNER_UP_WITHIN = 0.25  # a runner-up predicted this much slower than the accepted plan is still measured
+
+
+def _runner_up(problem, runner, settings, accepted, quality, gate, iterations, stamp, note):
+    """Measure the best plan of another schedule (pipeline degree, micro-batch size) than the accepted
+    one when the model predicts it within ``RUNNER_UP_WITHIN`` of it: the calibration is fitted to a few
+    noisy stock trials, and a wrong slope or per-micro-batch cost ranks schedules wrongly. The faster of
+    the two measured plans that fits and passes the quality gate is kept."""
+    plan, run = accepted
+    try:
+        alt = plan_pipeline(problem, exclude=frozenset({(plan.pipeline_degree, plan.micro_batch_size)}))
+    except InfeasibleBudgetError:
+        return accepted
+    if alt.predicted_step_time > plan.predicted_step_time * (1 + RUNNER_UP_WITHIN):
+        return accepted
+    stamp(alt)
+    alt_run = summarize(alt, runner.run_trial(alt, settings, seed=0))
+    alt_run["simulated"] = simulate_plan(problem, alt)
+    over = over_budget(settings, alt_run)
+    faster = not over and alt_run["measured_step_time"] < run["measured_step_time"]
+    if faster:
+        alt_run["quality_val_loss"] = quality(alt, 0)
+    ok_q, why = _gate_check(gate, alt_run.get("quality_val_loss", alt_run["val_loss"]))
+    keep = faster and ok_q
+    rec = {"iteration": len(iterations), "plan": alt.to_dict(), "run": alt_run, "over_budget": over,
+           "quality": why, "accepted": keep, "runner_up": True}
+    if keep:  # the plan accepted before (the last iteration) gives way
+        iterations[-1].update(accepted=False, back_off="the runner-up ran faster")
+    else:
+        rec["back_off"] = "runner-up: " + ("over budget" if over else "quality gate" if faster else "slower")
+    iterations.append(rec)
+    rec_label = "/".join(sp.recompute_label for sp in alt.stages)
+    note(f"runner-up (another schedule): micro-batch {alt.micro_batch_size} x {alt.num_microbatches} on "
+         f"{alt.pipeline_degree} stage(s), formats {sorted(set(alt.layer_formats))}, recompute {rec_label}: "
+         f"predicted {alt.predicted_step_time * 1e3:.1f} ms, measured "
+         f"{alt_run['measured_step_time'] * 1e3:.1f} ms against {run['measured_step_time'] * 1e3:.1f} ms, "
+         f"peak {fmt_mib(alt_run['peak_memory'])}"
+         + ("; over budget" if over else "") + (f"; {why}" if faster else "")
+         + ("; it replaces the accepted plan" if keep else "; the accepted plan stays"))
+    return (alt, alt_run) if keep else accepted
+
+
 def _repeat_ladder(runner: TuningRunner, settings, ladder: list[dict]) -> None:
     """Time every rung ``settings.ab_repeats`` more times, the rungs alternating so that load drifts hit
     each alike (one trial per rung swung by 10-30% on a shared 2-core machine): a rung's step time becomes
@@ -570,6 +612,8 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
             break
         note(f"quality gate failed: back off: {change}")
 
+    if accepted is not None and len(iterations) < settings.max_iterations:
+        accepted = _runner_up(problem, runner, settings, accepted, quality, gate, iterations, stamp, note)
     lowbit = _low_bit_alternative(problem, accepted[0] if accepted else base, note)
     ladder = []
     if not stock_fits:

@@ -608,18 +608,19 @@ def _infeasible_message(prob: PlanningProblem, space: list[Knobs]) -> str:
     return msg
 
 
-def plan_pipeline(prob: PlanningProblem) -> Plan:
+def plan_pipeline(prob: PlanningProblem, exclude: frozenset[tuple[int, int]] = frozenset()) -> Plan:
     """The plan with the smallest predicted step time per sample that fits the budget.
 
     With a fixed global batch this is the smallest step time; with a range it is the highest
-    samples/s.
+    samples/s. ``exclude``: (pipeline degree, micro-batch size) pairs not to consider (the tuning loop's
+    runner-up: the best plan of another schedule).
 
     Raises:
         InfeasibleBudgetError: nothing fits; the message names the smallest budget that does and
             what fills it.
     """
     t0 = time.perf_counter()
-    space = _knob_space(prob)
+    space = [k for k in _knob_space(prob) if (k.pipeline_degree, k.micro_batch_size) not in exclude]
     best, cache = None, {}
     for k in space:
         samples = k.global_batch_per_replica * (prob.world_size // k.pipeline_degree)

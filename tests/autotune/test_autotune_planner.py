@@ -502,3 +502,26 @@ def test_ladder_spends_freed_memory_on_fewer_stages():
     assert fill.pipeline_degree == 1 and fill.boundaries == [0, 6]
     assert (fill.micro_batch_size, fill.num_microbatches) == (2, 2)
     assert rungs[-1][1] is tuned
+
+
+def test_runner_up_is_the_best_plan_of_another_schedule():
+    """``exclude`` leaves out (pipeline degree, micro-batch size) pairs: the tuning loop's runner-up is the
+    best plan of another schedule, predicted no faster than the best plan, and it equals the best plan of
+    the space restricted to the other schedules."""
+    prob = _problem(4, 8, world_size=2, global_batch=8, pipeline_degrees=[1, 2])
+    best = plan_pipeline(prob)
+    key = (best.pipeline_degree, best.micro_batch_size)
+    alt = plan_pipeline(prob, exclude=frozenset({key}))
+    assert (alt.pipeline_degree, alt.micro_batch_size) != key
+    assert alt.predicted_step_time >= best.predicted_step_time
+    others = [b for b in prob.micro_batch_sizes if (best.pipeline_degree, b) != key]
+    for p in (1, 2):  # the restricted spaces, one degree at a time: the runner-up is the best of them
+        bs = others if p == best.pipeline_degree else prob.micro_batch_sizes
+        if not bs:
+            continue
+        try:
+            sub = plan_pipeline(_problem(4, 8, world_size=2, global_batch=8, pipeline_degrees=[p],
+                                         micro_batch_sizes=bs))
+        except InfeasibleBudgetError:
+            continue
+        assert alt.predicted_step_time <= sub.predicted_step_time + 1e-12
