@@ -16,10 +16,11 @@ For each workload, ``ppq tune`` runs the unmodified example script on 2 ranks:
    says only the plan trains. The sweep budget nearest the ladder's (within 10%) is the ladder's, and
    its row is the ladder's tune.
 
-Writes ``results/autotune_<workload>.{md,json}`` and ``results/autotune_<workload>_sweep.png``.
+Writes ``results/autotune_<workload>.{md,json}`` and ``results/autotune_<workload>_sweep.png``
+(``--tag T``: ``autotune_<workload>_T.*``, a run beside the sweep's, e.g. the ladder alone).
 
     .venv/bin/python benchmarks/autotune/bench_tune.py [--workloads finetune,pretrain] [--budgets 64,48]
-        [--no-ladder] [--quick]
+        [--no-ladder] [--quick] [--tag T]
 """
 
 from __future__ import annotations
@@ -232,6 +233,7 @@ def main() -> int:
                    "fastest stock configuration fits down to where only the smallest does)")
     p.add_argument("--no-ladder", action="store_true")
     p.add_argument("--quick", action="store_true", help="the workloads' quick settings (a smoke run)")
+    p.add_argument("--tag", default="", help="results as autotune_<workload>_<tag>.* (beside the sweep)")
     args = p.parse_args()
     for name in args.workloads.split(","):
         w = settings(name, args.quick)
@@ -265,12 +267,13 @@ def main() -> int:
         md = _markdown(w, m, ladder, rows, w.budget_mb, loadavg())
         if unconstrained is not None:
             md += f"\nFastest stock configuration with no budget: {_plan_label(unconstrained)}.\n"
-        write_report(f"autotune_{name}", {
+        stem = f"autotune_{name}" + (f"_{args.tag}" if args.tag else "")
+        write_report(stem, {
             "machine": m, "workload": name,
             "ladder": ladder_rows(ladder) if ladder and "error" not in ladder else ladder,
             "ladder_log": (ladder or {}).get("log"), "sweep": rows, "unconstrained_stock": unconstrained}, md)
         if any("speedup" in x or "tuned_ms" in x for x in rows):
-            _plot(w, rows, Path(RESULTS) / f"autotune_{name}_sweep.png")
+            _plot(w, rows, Path(RESULTS) / f"{stem}_sweep.png")
         print(md)
     return 0
 
