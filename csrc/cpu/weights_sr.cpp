@@ -92,9 +92,11 @@ void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B
   const uint32_t key = ppq::sr::hash32(static_cast<uint32_t>(seed));
   const uint64_t off = static_cast<uint64_t>(offset);
   const float qmax = ppq::sr::qmax(f);
+  c10::BFloat16* const sh = sbf ? static_cast<c10::BFloat16*>(scales.data_ptr()) : nullptr;
+  float* const sf = sbf ? nullptr : static_cast<float*>(scales.data_ptr());
   auto put_scale = [&](int64_t j, float s) {
-    if (sbf) static_cast<c10::BFloat16*>(scales.data_ptr())[j] = c10::BFloat16(s);
-    else static_cast<float*>(scales.data_ptr())[j] = s;
+    if (sbf) sh[j] = c10::BFloat16(s);
+    else sf[j] = s;
   };
   const bool par = n > (1 << 15);  // small tensors stay on one thread
   // blocks handed out dynamically, ~8k values at a time: a thread the OS takes off its core does not hold
