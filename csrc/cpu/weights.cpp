@@ -35,9 +35,9 @@
 //   8-word tables (bf16 of the mantissas at the bias exponent, and of the subnormal codes, times s) are
 //   looked up by byte shuffles and the code's exponent is added to the word's exponent field; exact while
 //   every result stays a normal bf16 (s in [2^-120, 2^119) for e4m3), else the general decode (an fp32
-//   multiply and rounding per value, which had held FP8 at 0.35x a copy). Rounding fp32 to bf16 packs
-//   words unmasked and selects NaN once per 16 values; int8 with a finite scale never makes a NaN and
-//   skips it. int4/NF4 tables are built with two vector multiplies per block.
+//   multiply and rounding per value, which had held FP8 at 0.35x a copy). int8 with a finite scale never
+//   makes a NaN: it rounds to bf16 in integer lanes and packs words unmasked, with no NaN select.
+//   int4/NF4 tables are built with two vector multiplies per block.
 // * Outputs go into caller-provided buffers (`*_out` ops); the allocating ops allocate and call them.
 // * bf16 out: round-to-nearest-even of the fp32 product, as torch's .to(bfloat16).
 #include <ATen/core/Tensor.h>
@@ -530,21 +530,16 @@ PPQ_ALWAYS_INLINE inline __m256 lookup16(const __m256* t, __m256i k) {
                           _mm256_castsi256_ps(_mm256_slli_epi32(k, 28)));
 }
 
-// 16 fp32 -> bf16 (store16's bits): rounded in 32-bit lanes, packed to words (the rounded values are
-// <= 0xffff: no masking before vpackusdw); where a nan mask lane is set, 0x7fc0 (the masks are packed
-// alongside, one byte blend per 16 values). NANS = false: the caller knows no value is NaN.
-template <bool NANS>
-PPQ_ALWAYS_INLINE inline void store16_bf16(uint16_t* o, __m256 a, __m256 b, __m256i nan_a = __m256i(), __m256i nan_b = __m256i()) {
+// 16 fp32 -> bf16 (store16's bits) for values the caller knows are not NaN: rounded in 32-bit lanes,
+// packed to words (the rounded values are <= 0xffff: no masking before vpackusdw), no NaN select.
+PPQ_ALWAYS_INLINE inline void store16_bf16(uint16_t* o, __m256 a, __m256 b) {
   auto round = [](__m256 x) PPQ_ALWAYS_INLINE {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
   };
-  __m256i w = _mm256_packus_epi32(round(a), round(b));
-  if constexpr (NANS) w = _mm256_blendv_epi8(w, _mm256_set1_epi16(0x7fc0), _mm256_packs_epi32(nan_a, nan_b));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm256_permute4x64_epi64(w, 0xd8));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm256_permute4x64_epi64(_mm256_packus_epi32(round(a), round(b)), 0xd8));
 }
-PPQ_ALWAYS_INLINE inline __m256i isnan8(__m256 x) { return _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
 
 // The fp32 values of an fp8 format's codes (bias, m) and (0, m), m = 0..7 (e5m2: m & 3): the bf16-out
 // decode's per-block tables are these times the scale.
@@ -811,8 +806,8 @@ void decode_full_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o
         if (std::isfinite(s)) {  // code * s is then never NaN: no NaN select
           for (int64_t i = 0; i < len; i += 16) {
             const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
-            store16_bf16<false>(o + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), vs),
-                                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))), vs));
+            store16_bf16(o + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), vs),
+                         _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))), vs));
           }
           break;
         }
@@ -887,10 +882,9 @@ void decode_full_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o
         if (s >= (e4 ? 0x1p-120f : 0x1p-112f) && s < (e4 ? 0x1p119f : 0x1p112f)) {
           const int mbits = e4 ? 3 : 2, bias = e4 ? 7 : 15;
           const Fp8Mantissas& t = e4 ? kE4M3Mantissas : kE5M2Mantissas;
-          const __m256i w = _mm256_permute4x64_epi64(
-              _mm256_packus_epi32(ppq::avx2::bf16_bits8(_mm256_mul_ps(_mm256_load_ps(t.normal), vs)),
-                                  ppq::avx2::bf16_bits8(_mm256_mul_ps(_mm256_load_ps(t.subnormal), vs))),
-              0xd8);  // [normal table | subnormal table], 8 words each
+          const __m256i w = ppq::avx2::words16(  // [normal table | subnormal table], 8 words each
+              ppq::avx2::bf16_bits8(_mm256_mul_ps(_mm256_load_ps(t.normal), vs)),
+              ppq::avx2::bf16_bits8(_mm256_mul_ps(_mm256_load_ps(t.subnormal), vs)));
           const __m256i tn = _mm256_permute2x128_si256(w, w, 0x00), tz = _mm256_permute2x128_si256(w, w, 0x11);
           const __m256i mmask = _mm256_set1_epi16(int16_t((1 << mbits) - 1)), emask = _mm256_set1_epi16(e4 ? 15 : 31);
           const __m256i vbias = _mm256_set1_epi16(int16_t(bias)), pairs = _mm256_set1_epi16(0x0202);
@@ -905,12 +899,13 @@ void decode_full_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o
             const __m256i normal = _mm256_add_epi16(_mm256_shuffle_epi8(tn, idx),
                                                     _mm256_slli_epi16(_mm256_sub_epi16(e, vbias), 7));
             __m256i v = _mm256_blendv_epi8(normal, _mm256_shuffle_epi8(tz, idx), _mm256_cmpeq_epi16(e, zero));
-            v = _mm256_xor_si256(v, _mm256_slli_epi16(_mm256_and_si256(c, sbit), 8));
+            const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(c, sbit), 8);
+            v = _mm256_xor_si256(v, sign);
             if (e4) {  // 0x7f / 0xff: NaN
               v = _mm256_blendv_epi8(v, bf16_nan, _mm256_cmpeq_epi16(_mm256_andnot_si256(sbit, c), nan_code));
             } else {  // e = 31: Inf (m = 0, the code's sign) or NaN
               const __m256i special = _mm256_cmpeq_epi16(e, emax);
-              const __m256i inf = _mm256_or_si256(_mm256_set1_epi16(0x7f80), _mm256_slli_epi16(_mm256_and_si256(c, sbit), 8));
+              const __m256i inf = _mm256_or_si256(_mm256_set1_epi16(0x7f80), sign);
               v = _mm256_blendv_epi8(v, _mm256_blendv_epi8(bf16_nan, inf, _mm256_cmpeq_epi16(m, zero)), special);
             }
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), v);
