@@ -64,10 +64,10 @@ def _tune(w, budget_mb: float, out: Path, model: list[str], autotune: dict) -> d
 
 def _plan_label(plan: dict) -> str:
     fmts = sorted({f for s in plan["stages"] for f in s["formats"]} - {"none"}) or ["fp32"]
-    rec = [s.recompute_label for s in Plan.from_dict(plan).stages]
+    rec = Plan.from_dict(plan).recompute_label
     codecs = (("act", plan["activation_codec"]), ("grad", plan["gradient_codec"]))
     return (f"p={plan['pipeline_degree']} {plan['derived']['boundaries']}, {plan['micro_batch_size']} x "
-            f"{plan['num_microbatches']}, recompute {'/'.join(rec)}, weights {'+'.join(fmts)}"
+            f"{plan['num_microbatches']}, recompute {rec}, weights {'+'.join(fmts)}"
             + (" master-free" if plan["master_free"] else "")
             + (", 8-bit Adam" if plan["optimizer_8bit"] else "")
             + "".join(f", {k} {c['method']}{c.get('bits', '')}" for k, c in codecs if c["method"] != "none"))

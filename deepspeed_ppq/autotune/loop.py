@@ -307,6 +307,17 @@ def ladder_plans(problem: PlanningProblem, base: Plan, tuned: Plan,
     return rungs
 
 
+def _measure(problem: PlanningProblem, runner: TuningRunner, settings, plan: Plan, quality=None):
+    """A plan's trial beside its prediction and simulation, and why it breaks the budget (empty when it
+    fits); with ``quality``, a plan within the budget also gets its quality run's validation loss."""
+    run = summarize(plan, runner.run_trial(plan, settings, seed=0))
+    run["simulated"] = simulate_plan(problem, plan)
+    over = over_budget(settings, run)
+    if quality is not None and not over:
+        run["quality_val_loss"] = quality(plan, 0)
+    return run, over
+
+
 RUNNER_UP_WITHIN = 0.25  # a runner-up predicted this much slower than the accepted plan is still measured
 
 
@@ -323,9 +334,7 @@ def _runner_up(problem, runner, settings, accepted, quality, gate, iterations, s
     if alt.predicted_step_time > plan.predicted_step_time * (1 + RUNNER_UP_WITHIN):
         return accepted
     stamp(alt)
-    alt_run = summarize(alt, runner.run_trial(alt, settings, seed=0))
-    alt_run["simulated"] = simulate_plan(problem, alt)
-    over = over_budget(settings, alt_run)
+    alt_run, over = _measure(problem, runner, settings, alt)
     faster = not over and alt_run["measured_step_time"] < run["measured_step_time"]
     if faster:
         alt_run["quality_val_loss"] = quality(alt, 0)
@@ -338,9 +347,9 @@ def _runner_up(problem, runner, settings, accepted, quality, gate, iterations, s
     else:
         rec["back_off"] = "runner-up: " + ("over budget" if over else "quality gate" if faster else "slower")
     iterations.append(rec)
-    rec_label = "/".join(sp.recompute_label for sp in alt.stages)
     note(f"runner-up (another schedule): micro-batch {alt.micro_batch_size} x {alt.num_microbatches} on "
-         f"{alt.pipeline_degree} stage(s), formats {sorted(set(alt.layer_formats))}, recompute {rec_label}: "
+         f"{alt.pipeline_degree} stage(s), formats {sorted(set(alt.layer_formats))}, recompute "
+         f"{alt.recompute_label}: "
          f"predicted {alt.predicted_step_time * 1e3:.1f} ms, measured "
          f"{alt_run['measured_step_time'] * 1e3:.1f} ms against {run['measured_step_time'] * 1e3:.1f} ms, "
          f"peak {fmt_mib(alt_run['peak_memory'])}"
@@ -426,7 +435,7 @@ def _low_bit_alternative(problem: PlanningProblem, plan: Plan, note) -> dict | N
     note(f"the best plan with low-bit weights on every stage (predicted, not run): p={alt.pipeline_degree} "
          f"{alt.boundaries}, {alt.micro_batch_size} x {alt.num_microbatches}, formats "
          f"{sorted(set(alt.layer_formats))}, 8-bit Adam {alt.optimizer_8bit}, master-free {alt.master_free}, "
-         f"recompute {'/'.join(sp.recompute_label for sp in alt.stages)}: "
+         f"recompute {alt.recompute_label}: "
          f"{alt.predicted_step_time * 1e3:.1f} ms, peak {fmt_mib(peak)}, against {mine * 1e3:.1f} ms "
          f"predicted for the plan ({alt.predicted_step_time / mine:.2f}x its time)")
     return {"fits": True, "plan": alt.to_dict(), "predicted_step_time": alt.predicted_step_time,
@@ -571,11 +580,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
     for it in range(settings.max_iterations):
         plan = plan_pipeline(problem)
         stamp(plan)
-        run = summarize(plan, runner.run_trial(plan, settings, seed=0))
-        run["simulated"] = simulate_plan(problem, plan)
-        over = over_budget(settings, run)
-        if not over:
-            run["quality_val_loss"] = quality(plan, 0)
+        run, over = _measure(problem, runner, settings, plan, quality)
         ok_q, why = _gate_check(gate, run.get("quality_val_loss", run["val_loss"]))
         rec = {"iteration": it, "plan": plan.to_dict(), "run": run, "over_budget": over,
                "quality": why, "accepted": ok_q and not over}

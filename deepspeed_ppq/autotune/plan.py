@@ -114,6 +114,11 @@ class Plan:
         return self.world_size // self.pipeline_degree
 
     @property
+    def recompute_label(self) -> str:
+        """Each stage's ``recompute_label``, ``/``-separated (for reports and logs)."""
+        return "/".join(sp.recompute_label for sp in self.stages)
+
+    @property
     def global_batch(self) -> int:
         return self.micro_batch_size * self.num_microbatches * self.data_parallel
 

@@ -117,9 +117,11 @@ def format_report(result: dict) -> str:
                      "configuration.")
     if result.get("ladder"):
         t0 = result["ladder"][0]["run"]["measured_step_time"]
+        n = len(result["ladder"][0]["run"].get("repeat_step_times", [t0]))
+        timing = f"the median of {n} trials, the rungs alternating" if n > 1 else "one trial"
         lines += ["", "## The ladder: one feature at a time", "",
-                  "Each rung is one trial, timed on its own (the result above is the median of "
-                  "alternating runs, so it and the last rung differ by the machine's timing noise).", "",
+                  f"Each rung is {timing} (the result above is the A/B of the baseline and the plan, timed "
+                  "apart, so it and the rungs differ by the machine's timing noise).", "",
                   "Forward + backward ms per stage: the compute each stage does per step (recomputation "
                   "included), apart from the bubble; low-bit weights change it by their dequantization, "
                   "the fill by the micro-batch size and recomputation.", "",
@@ -134,7 +136,7 @@ def format_report(result: dict) -> str:
                     f"{'/'.join(sorted(set(plan.layer_formats)))}"
                     f"{', master-free' if plan.master_free else ''}"
                     f"{', 8-bit Adam' if plan.optimizer_8bit else ''}, recompute "
-                    f"{'/'.join(sp.recompute_label for sp in plan.stages)}, codecs "
+                    f"{plan.recompute_label}, codecs "
                     f"{plan.activation_codec.get('method')}/{plan.gradient_codec.get('method')}")
             compute = " / ".join(f"{t * 1e3:.0f}" for t in stage_compute(run))
             lines.append(f"| {rec['rung']} | {run['samples_per_second']:.1f} | "
