@@ -160,12 +160,11 @@ void run(uint8_t* codes, void* scales, bool sbf, int64_t B, int64_t n, const flo
     } else {
       adamw_fp32(h, w, g + i0, static_cast<float*>(s1) + i0, static_cast<float*>(s2) + i0, len);
     }
-    for (int64_t o = 0; o < len; o += B) {
-      const int64_t b = (i0 + o) / B;
-      const float s = ppq::sr::quantize_block<false>(F, w + o, std::min(B, len - o), sbf, offset + uint64_t(i0 + o),
-                                                     key, codes + i0 + o);
-      if (sbf) static_cast<c10::BFloat16*>(scales)[b] = c10::BFloat16(s);
-      else static_cast<float*>(scales)[b] = s;
+    float sc[ppq::sr::kRun / 16];
+    ppq::sr::quantize_blocks_t<F, false, false>(w, len, B, sbf, offset + uint64_t(i0), key, codes + i0, sc);
+    for (int64_t b = 0; b < (len + B - 1) / B; ++b) {
+      if (sbf) static_cast<c10::BFloat16*>(scales)[i0 / B + b] = c10::BFloat16(sc[b]);
+      else static_cast<float*>(scales)[i0 / B + b] = sc[b];
     }
   }
 }

@@ -7,20 +7,20 @@
 //   state: element i uses counter offset + i, so blocks run in any order on any thread), and the
 //   round-up test u * (hi - lo) < a - lo on the magnitude, exact in fp32.
 // * Used once per optimizer step per master-free layer (dequantize -> update -> this), so it is a
-//   single pass per block: absmax over the block (L1-resident after the first read), scale, encode.
-//   Blocks are independent; OpenMP splits them statically. A per-tensor fp8 scale needs the global
-//   absmax first (one extra read pass). Per block, the random numbers are made first in a pure 32-bit
-//   integer loop into a stack buffer (the 64-bit counter is a block base plus a carry), then one loop per
-//   (format, input dtype) encodes.
+//   single read of memory: runs of 4096 values (whole blocks), each run's block scales first (absmax,
+//   scale, inverse: short independent chains side by side), then the run's codes from cache while the
+//   next run is prefetched (weights_sr.h). Runs are independent; OpenMP hands them out dynamically. A
+//   per-tensor fp8 scale needs the global absmax first (one extra read pass). The random numbers: the
+//   64-bit counter is a run base plus a carry, so its high word's hash is one of two values per run.
 // * With AVX-512 the absmax and the encodes run 16 values at a time in explicit loops, with AVX2 8 at a
 //   time (isa.h picks per module; the scalar loops stay for block tails and the scalar module). GCC had
 //   left them scalar, with a branch on the random sign: ~7 ns per value for int8 and ~20 for fp8. The
 //   AVX2 path makes the random numbers in-register beside the codes (weights_sr.h). The absmax, the fp8
 //   round-to-nearest-even code and the neighbours' values come from avx512.h / avx2.h, shared with
 //   weights.cpp; tests/quant/test_master_free.py holds every path to the reference bit for bit.
-// * The per-block work (absmax, scale, encode) lives in weights_sr.h with a block-local interface
-//   (the block's first value, code and random counter), so master_free.cpp runs it on a block it has
-//   just updated in a stack buffer.
+// * The work on a run (scales, codes) lives in weights_sr.h with a run-local interface (the run's first
+//   value, code and random counter), so master_free.cpp runs it on values it has just updated in a
+//   stack buffer (there without the prefetch).
 // * fp8 neighbours come from the round-to-nearest-even code (c10's own fp32 -> fp8 recipe, the one
 //   torch's cast uses, in its branch-free form shared through fp8.h) and the code one below or above
 //   it: fp8 codes of one sign order like their magnitudes.
@@ -125,13 +125,17 @@ void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B
     }
     return;
   }
-#pragma omp parallel for num_threads(par ? threads() : 1) schedule(dynamic, chunk)
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t i0 = b * B, len = std::min(n, i0 + B) - i0;
-    const void* xb = xp + i0 * es;
+  // runs of kRun values (whole blocks: B divides it): their scales first, then their codes (weights_sr.h)
+  const int64_t R = ppq::sr::kRun, nr = (n + R - 1) / R;
+#pragma omp parallel for num_threads(par ? threads() : 1) schedule(dynamic, std::max<int64_t>(1, 8192 / R))
+  for (int64_t r = 0; r < nr; ++r) {
+    const int64_t i0 = r * R, len = std::min(n, i0 + R) - i0;
+    const void* xr = xp + i0 * es;
     const uint64_t c0 = off + static_cast<uint64_t>(i0);
-    put_scale(b, xbf ? ppq::sr::quantize_block<true>(f, xb, len, sbf, c0, key, cp + i0)
-                     : ppq::sr::quantize_block<false>(f, xb, len, sbf, c0, key, cp + i0));
+    float sc[ppq::sr::kRun / 16];
+    if (xbf) ppq::sr::quantize_blocks<true>(f, xr, len, B, sbf, c0, key, cp + i0, sc);
+    else ppq::sr::quantize_blocks<false>(f, xr, len, B, sbf, c0, key, cp + i0, sc);
+    for (int64_t b = 0; b < (len + B - 1) / B; ++b) put_scale(i0 / B + b, sc[b]);
   }
 }
 

@@ -16,6 +16,7 @@
 #include "isa.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,6 +29,8 @@
 namespace ppq::sr {
 
 namespace fp8 = ppq::fp8;
+
+constexpr int64_t kRun = 4096;  // values per run of blocks (quantize_blocks)
 
 // The formats (those with formats::has_sr come here), their Q and fp8 top codes: common/formats.h.
 using formats::Fmt;
@@ -220,22 +223,25 @@ __attribute__((noinline)) void encode_buffered(const void* x, int64_t len, float
 }
 
 #if PPQ_ISA_AVX2
-// The AVX2 path of one block, fused: the random numbers are made in-register next to the codes (no
-// buffer pass), input read straight from fp32 or bf16, 16 values per iteration (two 8-lane chains; four
-// spilled registers: AVX2 has 16). CARRY: the block's counters cross a multiple of 2^32, so the high
-// word needs the carry (one block in 2^32 / 4096 at most); otherwise the high word is the block's.
-// Handles the first multiple of 16 values and returns how many; encode_buffered() does the rest.
-template <Fmt F, bool BF16, bool CARRY>
-PPQ_ALWAYS_INLINE inline int64_t encode_fused_avx2(const void* x, int64_t len, float inv, uint64_t c0, uint32_t key,
-                                                   uint8_t* codes) {
+// The AVX2 path, fused: the random numbers are made in-register next to the codes (no buffer pass), input
+// read straight from fp32 or bf16, 16 values per iteration (two 8-lane chains; four spilled registers:
+// AVX2 has 16). The values at j are multiplied by inv[j >> lg]: one block (lg >= log2 len) or a run of
+// blocks of 2^lg >= 16 values in one loop (a block of 64 values had cost as much in set-up as in codes).
+// CARRY: the counters cross a multiple of 2^32, so the high word needs the carry (one run in 2^32 / 4096
+// at most); otherwise the high word is c0's. Handles the first multiple of 16 values and returns how
+// many; encode_buffered() does the rest.
+// PREFETCH: x is a kRun-value run read from memory (not a buffer in cache): the same place in the next
+// run is prefetched while this one is encoded, so the next run's absmax pass reads from cache and the
+// memory works under the encode instead of before it.
+template <Fmt F, bool BF16, bool CARRY, bool PREFETCH>
+PPQ_ALWAYS_INLINE inline int64_t encode_fused_avx2(const void* x, int64_t len, const float* inv, int lg, uint64_t c0,
+                                                   uint32_t key, uint8_t* codes) {
   using T = std::conditional_t<BF16, uint16_t, float>;
   const int64_t n16 = len & ~int64_t(15);
   const uint32_t bhi = uint32_t(c0 >> 32);
   const __m256i vblo = _mm256_set1_epi32(int32_t(uint32_t(c0))), bias = _mm256_set1_epi32(int32_t(0x80000000u));
   const __m256i k0 = _mm256_set1_epi32(int32_t(hash32(key ^ bhi))), k1 = _mm256_set1_epi32(int32_t(hash32(key ^ (bhi + 1u))));
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  auto uniforms8 = [&](int64_t j) PPQ_ALWAYS_INLINE {
-    const __m256i lo = _mm256_add_epi32(vblo, _mm256_add_epi32(_mm256_set1_epi32(int32_t(j)), lane));
+  auto uniforms8 = [&](__m256i lo) PPQ_ALWAYS_INLINE {  // lo: the 8 counters' low words
     __m256i k = k0;
     if constexpr (CARRY) {  // lo < blo (unsigned): the counter wrapped into the next 2^32
       k = _mm256_blendv_epi8(k0, k1, _mm256_cmpgt_epi32(_mm256_xor_si256(vblo, bias), _mm256_xor_si256(lo, bias)));
@@ -245,24 +251,33 @@ PPQ_ALWAYS_INLINE inline int64_t encode_fused_avx2(const void* x, int64_t len, f
   };
   const T* xp = static_cast<const T*>(x);
   const float q = qmax(F);
-  const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-q), hi = _mm256_set1_ps(q);
+  const __m256 neg_q = _mm256_set1_ps(-q), pos_q = _mm256_set1_ps(q);
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  auto code8 = [&](int64_t i) PPQ_ALWAYS_INLINE {
-    const __m256 y = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(ppq::avx2::load8(xp + i), vinv), lo), hi);
-    const __m256 a = _mm256_and_ps(y, abs_mask);
-    const __m256 u = uniforms8(i);
+  auto code8 = [&](int64_t i, __m256i ctr, __m256 vinv) PPQ_ALWAYS_INLINE {
+    const __m256 z = _mm256_mul_ps(ppq::avx2::load8(xp + i), vinv);
+    const __m256 u = uniforms8(ctr);
     if constexpr (F == Fmt::I8) {  // encode_int8's lanes
+      const __m256 a = _mm256_min_ps(_mm256_and_ps(z, abs_mask), pos_q);  // |clamp(z, -q, q)| (z is finite or +-inf)
       const __m256i l = _mm256_cvttps_epi32(a);
       const __m256 frac = _mm256_sub_ps(a, _mm256_cvtepi32_ps(l));
       const __m256i k = _mm256_sub_epi32(l, _mm256_castps_si256(_mm256_cmp_ps(u, frac, _CMP_LT_OQ)));
-      const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_LT_OQ));
-      return _mm256_sub_epi32(_mm256_xor_si256(k, neg), neg);  // y < 0: -k
+      return _mm256_sign_epi32(k, _mm256_castps_si256(z));  // sign bit set: -k (k = 0 when z = -0.0)
     } else {
-      return sr_fp8_8<F == Fmt::E4M3>(y, a, u);
+      const __m256 y = _mm256_min_ps(_mm256_max_ps(z, neg_q), pos_q);
+      return sr_fp8_8<F == Fmt::E4M3>(y, _mm256_and_ps(y, abs_mask), u);
     }
   };
-  for (int64_t j = 0; j < n16; j += 16)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j), ppq::avx2::bytes16(code8(j), code8(j + 8)));
+  // the counters' low words run in a register: blo + j + lane
+  __m256i ctr = _mm256_add_epi32(vblo, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i eight = _mm256_set1_epi32(8);
+  for (int64_t j = 0; j < n16; j += 16) {
+    if constexpr (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(xp + kRun + j), _MM_HINT_T0);  // 64 B
+    const __m256i next = _mm256_add_epi32(ctr, eight);
+    const __m256 vinv = _mm256_broadcast_ss(inv + (j >> lg));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j),
+                     ppq::avx2::bytes16(code8(j, ctr, vinv), code8(j + 8, next, vinv)));
+    ctr = _mm256_add_epi32(next, eight);
+  }
   return n16;
 }
 #endif
@@ -277,8 +292,8 @@ inline void encode_t(const void* x, int64_t len, float inv, bool finite, uint64_
   int64_t done = 0;
 #if PPQ_ISA_AVX2
   const bool carry = static_cast<uint64_t>(static_cast<uint32_t>(c0)) + static_cast<uint64_t>(len) > 0xffffffffull;
-  done = carry ? encode_fused_avx2<F, BF16, true>(x, len, inv, c0, key, codes)
-               : encode_fused_avx2<F, BF16, false>(x, len, inv, c0, key, codes);
+  done = carry ? encode_fused_avx2<F, BF16, true, false>(x, len, &inv, 62, c0, key, codes)
+               : encode_fused_avx2<F, BF16, false, false>(x, len, &inv, 62, c0, key, codes);
 #endif
   if (done < len) {
     using T = std::conditional_t<BF16, uint16_t, float>;
@@ -304,15 +319,52 @@ inline void encode(Fmt f, const void* x, int64_t len, float s, uint64_t c0, uint
   }
 }
 
-// One block quantized with its own scale: returns the stored scale (NaN for a block with NaN/Inf).
+// The blocks of B values in x[0 .. len) (len <= kRun; the last block may be short), each with its own
+// scale (stored into s[0 .. ceil(len / B))): every block's absmax and scale first, then the codes. Apart,
+// the scales are short independent chains (a reduction, two divisions) the core runs side by side; inside
+// each block's encode they had stood between two blocks' loops (a third of the time at B = 64). With
+// AVX2 and every block finite, the codes are one loop over the run (encode_fused_avx2).
+template <Fmt F, bool BF16, bool PREFETCH>
+inline void quantize_blocks_t(const void* x, int64_t len, int64_t B, bool scale_bf16, uint64_t c0, uint32_t key,
+                              uint8_t* codes, float* s) {
+  using T = std::conditional_t<BF16, uint16_t, float>;
+  const T* xp = static_cast<const T*>(x);
+  const int64_t nb = (len + B - 1) / B;
+  float inv[kRun / 16];
+  bool finite = true;
+  for (int64_t b = 0; b < nb; ++b) {
+    bool bad = false;
+    const float absmax = block_absmax(xp + b * B, BF16, std::min(B, len - b * B), &bad);  // sets bad
+    s[b] = stored_scale(absmax, bad, qmax(F), scale_bf16);
+    inv[b] = inverse_scale(s[b]);
+    finite = finite && !bad;
+  }
+#if PPQ_ISA_AVX2
+  if (finite) {
+    const int lg = std::countr_zero(static_cast<uint64_t>(B));
+    const bool carry = static_cast<uint64_t>(static_cast<uint32_t>(c0)) + static_cast<uint64_t>(len) > 0xffffffffull;
+    const int64_t done = carry ? encode_fused_avx2<F, BF16, true, PREFETCH>(xp, len, inv, lg, c0, key, codes)
+                               : encode_fused_avx2<F, BF16, false, PREFETCH>(xp, len, inv, lg, c0, key, codes);
+    if (done < len)  // fewer than 16 values, inside the last block
+      encode_buffered<F, BF16>(xp + done, len - done, inv[done >> lg], c0 + static_cast<uint64_t>(done), key, codes + done);
+    return;
+  }
+#endif
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t o = b * B;
+    encode_t<F, BF16>(xp + o, std::min(B, len - o), inv[b], std::isfinite(s[b]), c0 + static_cast<uint64_t>(o), key,
+                      codes + o);
+  }
+}
+
 template <bool BF16>
-inline float quantize_block(Fmt f, const void* x, int64_t len, bool scale_bf16, uint64_t c0, uint32_t key,
-                            uint8_t* codes) {
-  bool bad = false;
-  const float absmax = block_absmax(x, BF16, len, &bad);  // sets bad: sequence before use
-  const float s = stored_scale(absmax, bad, qmax(f), scale_bf16);
-  encode<BF16>(f, x, len, s, c0, key, codes);
-  return s;
+inline void quantize_blocks(Fmt f, const void* x, int64_t len, int64_t B, bool scale_bf16, uint64_t c0, uint32_t key,
+                            uint8_t* codes, float* s) {
+  switch (f) {
+    case Fmt::I8: quantize_blocks_t<Fmt::I8, BF16, true>(x, len, B, scale_bf16, c0, key, codes, s); break;
+    case Fmt::E4M3: quantize_blocks_t<Fmt::E4M3, BF16, true>(x, len, B, scale_bf16, c0, key, codes, s); break;
+    default: quantize_blocks_t<Fmt::E5M2, BF16, true>(x, len, B, scale_bf16, c0, key, codes, s); break;
+  }
 }
 
 }  // namespace ppq::sr

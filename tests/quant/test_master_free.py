@@ -83,6 +83,27 @@ def test_cpp_equals_reference_over_a_wide_range(fmt, dtype, block_size):
     assert torch.equal(s, s_ref)
 
 
+@pytest.mark.skipif(not has_kernel("weight_quantize_sr_out"), reason="needs the C++ extension (make build)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", SR_FORMATS)
+def test_a_non_finite_block_leaves_the_others_of_its_run_exact(fmt, dtype):
+    """The kernel encodes runs of blocks in one loop when all are finite; a NaN or Inf in one block
+    must give that block a NaN scale and zero codes, and every other block the reference's codes."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(9000, generator=g) * 0.1).to(dtype)
+    x[100], x[5000] = float("nan"), float("-inf")  # blocks 1 and 78 of 64, in the first and second runs
+    c = torch.empty(x.numel(), dtype=wops.code_dtype(fmt))
+    s = torch.empty(-(-x.numel() // 64))
+    with pytest.raises(ValueError, match="2 NaN/Inf value"):
+        weight_quantize_sr_out(x, fmt, 64, 9, 2**32 - 3000, c, s)
+    c_ref, s_ref = torch.empty_like(c), torch.empty_like(s)
+    SR_REF(x, fmt, 64, 9, 2**32 - 3000, c_ref, s_ref)
+    assert torch.equal(c.view(torch.uint8), c_ref.view(torch.uint8))
+    assert torch.equal(s.isnan(), s_ref.isnan()) and s.isnan().sum() == 2
+    assert torch.equal(s[~s.isnan()], s_ref[~s_ref.isnan()])
+    assert not c.view(torch.uint8)[64:128].any() and not c.view(torch.uint8)[4992:5056].any()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", SR_FORMATS)
 @pytest.mark.parametrize("per_tensor", [False, True])
