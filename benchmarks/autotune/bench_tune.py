@@ -141,12 +141,26 @@ def ladder_rows(r: dict) -> list[dict]:
     return rows
 
 
-def _markdown(w, m: dict, ladder: dict | None, rows: list[dict], budget_ref: float, end_load: str) -> str:
+def _other_flags(argv: list[str]) -> str:
+    """The command line's flags other than --workloads, as the results' run line repeats them."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--workloads":
+            skip = True
+        elif not a.startswith("--workloads="):
+            out.append(a)
+    return "".join(f" {a}" for a in out)
+
+
+def _markdown(w, m: dict, ladder: dict | None, rows: list[dict], budget_ref: float, end_load: str,
+              flags: str = "") -> str:
     md = [f"# The method on {w.title}", "", machine_line(m) + f"; load at the end {end_load}", "",
           f"Workload `{w.name}` (examples/demo/workloads.py): `examples/train_gpt_pipe.py "
           f"{' '.join(w.model)}`{' --finetune <pretrained base>' if w.pretrain_steps else ''}, 2 ranks, "
           f"global batch 16, the tuner choosing 1 or 2 pipeline stages. Run: `.venv/bin/python "
-          f"benchmarks/autotune/bench_tune.py --workloads {w.name}`.", ""]
+          f"benchmarks/autotune/bench_tune.py --workloads {w.name}{flags}`.", ""]
     if ladder is not None:
         if "error" in ladder:
             md += [f"## The ladder at {budget_ref:g} MiB per stage", "", f"failed: {ladder['error']}", ""]
@@ -264,7 +278,7 @@ def main() -> int:
                 r = ladder if reuse else _tune(w, b, Path(tmp) / f"b{b:g}", model, {"ladder": False})
                 rows.append(sweep_row(b, r, unconstrained))
                 print(json.dumps(rows[-1]), flush=True)
-        md = _markdown(w, m, ladder, rows, w.budget_mb, loadavg())
+        md = _markdown(w, m, ladder, rows, w.budget_mb, loadavg(), _other_flags(sys.argv[1:]))
         if unconstrained is not None:
             md += f"\nFastest stock configuration with no budget: {_plan_label(unconstrained)}.\n"
         stem = f"autotune_{name}" + (f"_{args.tag}" if args.tag else "")
