@@ -21,9 +21,11 @@
 // * The work on a run (scales, codes) lives in weights_sr.h with a run-local interface (the run's first
 //   value, code and random counter), so master_free.cpp runs it on values it has just updated in a
 //   stack buffer (there without the prefetch).
-// * fp8 neighbours come from the round-to-nearest-even code (c10's own fp32 -> fp8 recipe, the one
-//   torch's cast uses, in its branch-free form shared through fp8.h) and the code one below or above
-//   it: fp8 codes of one sign order like their magnitudes.
+// * fp8 neighbours (scalar and AVX-512) come from the round-to-nearest-even code (c10's own fp32 -> fp8
+//   recipe, the one torch's cast uses, in its branch-free form shared through fp8.h) and the code one
+//   below or above it: fp8 codes of one sign order like their magnitudes. AVX2 cuts the value's mantissa
+//   to the format's bits instead (the same neighbours, half the operations: weights_sr.h's sr_fp8_8);
+//   tests/quant/test_master_free.py runs every fp8 value and its neighbours through both.
 // * A block holding NaN/Inf gets a NaN scale and zero codes; the Python front end raises.
 // * Kept apart from weights.cpp (another concern's file); the scalar helpers repeat on purpose, the
 //   vector ones are shared through avx512.h / avx2.h.

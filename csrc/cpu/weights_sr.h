@@ -81,18 +81,30 @@ inline __m128i sr_fp8_16(__m512 y, __m512 a, __m512 u) {
 #endif
 
 #if PPQ_ISA_AVX2
-// sr_fp8 for 8 values (the AVX-512 sr_fp8_16 on 8 lanes): codes in the low byte of each 32-bit lane.
+// sr_fp8 for 8 values: y clamped to [-Q, Q], a = |y|, u uniforms; codes in the low byte of each 32-bit
+// lane. The neighbours without a code search: lo, the largest fp8 value <= a, is a with its mantissa cut
+// to M bits (a >= 2^emin; its code is the cut bits re-biased, the grid step above it 2^(exponent - M)), or
+// floor(a / s) s with s = 2^(emin - M) below 2^emin; hi - lo is that step. So u * (hi - lo) < a - lo
+// (exact: a power of two times u, and a cut of a) is sr_fp8's test; at a = Q, a - lo = 0 never rounds
+// up, as sr_fp8's hi = lo at the top code. About half the operations of sr_fp8's code search (which the
+// AVX-512 path still does).
 template <bool E4M3>
 PPQ_ALWAYS_INLINE inline __m256i sr_fp8_8(__m256 y, __m256 a, __m256 u) {
-  using ppq::avx2::fp8_rne8;
-  using ppq::avx2::fp8_value8;
-  const __m256i top = _mm256_set1_epi32(formats::max_code(E4M3 ? Fmt::E4M3 : Fmt::E5M2)), one = _mm256_set1_epi32(1);
-  const __m256i c = fp8_rne8<E4M3>(a);
-  const __m256i lo_c = _mm256_add_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(fp8_value8<E4M3>(c), a, _CMP_GT_OQ)));
-  const __m256i hi_c = _mm256_min_epi32(_mm256_add_epi32(lo_c, one), top);
-  const __m256 lo = fp8_value8<E4M3>(lo_c), hi = fp8_value8<E4M3>(hi_c);
-  const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(u, _mm256_sub_ps(hi, lo)), _mm256_sub_ps(a, lo), _CMP_LT_OQ);
-  const __m256i q = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(lo_c), _mm256_castsi256_ps(hi_c), up));
+  constexpr int M = E4M3 ? 3 : 2, bias = E4M3 ? 7 : 15;  // emin = 1 - bias: -6, -14
+  const __m256i bits = _mm256_castps_si256(a);
+  const __m256i code_n = _mm256_sub_epi32(_mm256_srli_epi32(bits, 23 - M), _mm256_set1_epi32((127 - bias) << M));
+  const __m256 lo_n = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(~((1 << (23 - M)) - 1))));
+  const __m256 step_n = _mm256_castsi256_ps(
+      _mm256_sub_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7f800000)), _mm256_set1_epi32(M << 23)));
+  const __m256 step_s = _mm256_set1_ps(E4M3 ? 0x1p-9f : 0x1p-16f);  // 2^(emin - M)
+  const __m256i code_s = _mm256_cvttps_epi32(_mm256_mul_ps(a, _mm256_set1_ps(E4M3 ? 0x1p9f : 0x1p16f)));
+  const __m256 lo_s = _mm256_mul_ps(_mm256_cvtepi32_ps(code_s), step_s);
+  const __m256 sub = _mm256_cmp_ps(a, _mm256_set1_ps(E4M3 ? 0x1p-6f : 0x1p-14f), _CMP_LT_OQ);
+  const __m256i code = _mm256_castps_si256(
+      _mm256_blendv_ps(_mm256_castsi256_ps(code_n), _mm256_castsi256_ps(code_s), sub));
+  const __m256 lo = _mm256_blendv_ps(lo_n, lo_s, sub), step = _mm256_blendv_ps(step_n, step_s, sub);
+  const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(u, step), _mm256_sub_ps(a, lo), _CMP_LT_OQ);
+  const __m256i q = _mm256_sub_epi32(code, _mm256_castps_si256(up));
   const __m256 neg = _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_LT_OQ);
   return _mm256_or_si256(q, _mm256_and_si256(_mm256_castps_si256(neg), _mm256_set1_epi32(0x80)));
 }

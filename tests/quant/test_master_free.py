@@ -84,6 +84,28 @@ def test_cpp_equals_reference_over_a_wide_range(fmt, dtype, block_size):
 
 
 @pytest.mark.skipif(not has_kernel("weight_quantize_sr_out"), reason="needs the C++ extension (make build)")
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_grid_points_and_their_neighbours_round_as_the_reference(fmt):
+    """Scale 1 (the block's absmax is the format's largest value), and every fp8 value, the fp32 values
+    either side of it and the midpoints to the next, both signs: the binade edges, the subnormals and
+    the top code, where the kernels find the neighbours below and above a value."""
+    dt = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[fmt]
+    grid = torch.arange(128, dtype=torch.uint8).view(dt).float()
+    grid = grid[grid.isfinite()].unique()
+    mids = (grid[:-1] + grid[1:]) / 2
+    vals = torch.cat([grid, torch.nextafter(grid, grid + 1), torch.nextafter(grid, grid - 1).clamp(min=0), mids])
+    vals = vals[vals <= grid.max()]
+    x = torch.cat([vals, -vals])
+    x = torch.cat([grid.max().reshape(1), x, torch.zeros(4096 - 1 - x.numel())])  # one block, scale 1
+    for offset in range(0, 8 * 4096, 4096):
+        c, s = weight_quantize_sr(x, fmt, 4096, 21, offset)
+        c_ref, s_ref = torch.empty_like(c), torch.empty_like(s)
+        SR_REF(x, fmt, 4096, 21, offset, c_ref, s_ref)
+        assert s.item() == 1.0
+        assert torch.equal(c.view(torch.uint8), c_ref.view(torch.uint8))
+
+
+@pytest.mark.skipif(not has_kernel("weight_quantize_sr_out"), reason="needs the C++ extension (make build)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", SR_FORMATS)
 def test_a_non_finite_block_leaves_the_others_of_its_run_exact(fmt, dtype):
