@@ -93,7 +93,8 @@ def test_fp8_grid_points_and_their_neighbours_round_as_the_reference(fmt):
     grid = torch.arange(128, dtype=torch.uint8).view(dt).float()
     grid = grid[grid.isfinite()].unique()
     mids = (grid[:-1] + grid[1:]) / 2
-    vals = torch.cat([grid, torch.nextafter(grid, grid + 1), torch.nextafter(grid, grid - 1).clamp(min=0), mids])
+    below = torch.nextafter(grid, grid - 1).clamp(min=0)
+    vals = torch.cat([grid, torch.nextafter(grid, grid + 1), below, mids])
     vals = vals[vals <= grid.max()]
     x = torch.cat([vals, -vals])
     x = torch.cat([grid.max().reshape(1), x, torch.zeros(4096 - 1 - x.numel())])  # one block, scale 1
