@@ -365,8 +365,7 @@ def _repeat_ladder(runner: TuningRunner, settings, ladder: list[dict]) -> None:
     runs = [[] for _ in ladder]
     for _ in range(settings.ab_repeats):
         for k, rec in enumerate(ladder):
-            runs[k].append(runner.run_trial(Plan.from_dict(rec["plan"]), settings, seed=0,
-                                            steps=settings.trial_steps))
+            runs[k].append(runner.run_trial(Plan.from_dict(rec["plan"]), settings, seed=0, timing_only=True))
     for rec, trials in zip(ladder, runs):
         run = rec["run"]
         times = [run["measured_step_time"], *(t.step_time for t in trials)]
@@ -630,7 +629,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         plan, run = accepted
         ab = {"baseline": [], "tuned": [run["measured_step_time"]]}
         for _ in range(settings.ab_repeats):  # the plan alone: its time is what the user's run sees
-            ab["tuned"].append(runner.run_trial(plan, settings, seed=0).step_time)
+            ab["tuned"].append(runner.run_trial(plan, settings, seed=0, timing_only=True).step_time)
         plan.measured_step_time = statistics.median(ab["tuned"])
         plan.measured_memory = [st["measured_memory"] for st in run["stages"]]
         note(f"accepted: stock DeepSpeed cannot train at this budget; the plan trains at "
@@ -652,8 +651,8 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
             if settings.ab_repeats:  # alternate, and compare only these: load drifts hit both alike
                 ab = {"baseline": [], "tuned": []}
             for _ in range(settings.ab_repeats):
-                ab["baseline"].append(runner.run_trial(base, settings, seed=0).step_time)
-                ab["tuned"].append(runner.run_trial(plan, settings, seed=0).step_time)
+                ab["baseline"].append(runner.run_trial(base, settings, seed=0, timing_only=True).step_time)
+                ab["tuned"].append(runner.run_trial(plan, settings, seed=0, timing_only=True).step_time)
             t_base, t_tuned = statistics.median(ab["baseline"]), statistics.median(ab["tuned"])
             # what the user's run should see: every trial of this plan (the speedup compares the A/B alone)
             plan.measured_step_time = statistics.median(

@@ -139,9 +139,12 @@ class TuningRunner(Protocol):
     def stock_partitions(self, pipeline_degree: int) -> dict[str, list[int]]:
         """Stage boundaries ``[0, ..., L]`` by each stock partition method (``"parameters"``, ...)."""
 
-    def run_trial(self, plan: Plan, settings, seed: int = 0, steps: int | None = None) -> TrialResult:
+    def run_trial(self, plan: Plan, settings, seed: int = 0, steps: int | None = None,
+                  timing_only: bool = False) -> TrialResult:
         """Train ``plan`` for ``settings.trial_steps`` steps and measure time and memory; with ``steps``,
-        a quality run: that many steps, then the validation loss (memory not measured)."""
+        a quality run: that many steps, then the validation loss (memory not measured); with
+        ``timing_only``, the step and instruction times alone (memory not measured, ``val_loss`` NaN):
+        the repeats of a comparison."""
 
     def share(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""

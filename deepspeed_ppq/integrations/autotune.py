@@ -189,7 +189,8 @@ class DeepSpeedRunner:
     def _trial_specs(self) -> list:
         return [copy.deepcopy(s) if isinstance(s, nn.Module) else s for s in self._pristine]
 
-    def run_trial(self, plan: Plan, settings, seed: int = 0, steps: int | None = None) -> TrialResult:
+    def run_trial(self, plan: Plan, settings, seed: int = 0, steps: int | None = None,
+                  timing_only: bool = False) -> TrialResult:
         import deepspeed_ppq
         from deepspeed_ppq.integrations.plan_apply import plan_module
 
@@ -245,7 +246,7 @@ class DeepSpeedRunner:
             timing[0] = k >= settings.warmup_steps
             step(k)
         timing[0] = False
-        if steps is None:
+        if steps is None and not timing_only:
             # memory: two more steps under the tracker (it slows every op, so it times nothing), its peak
             # kept apart for the pipeline (forward, backward, sends) and the step (reduce, optimizer)
             tracker.track_external(module, optimizer, *_engine_tensors(engine))
@@ -254,19 +255,21 @@ class DeepSpeedRunner:
                     step(k)
             memory = tracker.peak()
             memory["phases"] = tracker.phase_peaks()
-        else:  # a quality run: validation loss after ``steps`` steps, memory not measured
+        else:  # a quality run (validation loss after ``steps`` steps) or timing only: memory not measured
             memory = dict.fromkeys((*CATEGORIES, "total"), 0)
         times = times[:n]
         # every plan is evaluated on the same val_batches x global batch samples: each data-parallel
         # replica on its own share (the engine averages the replicas' losses)
-        val_order = list(range(len(self.val_data)))
-        losses = []
-        for k in range(settings.val_batches):
-            vb = _batches(self.val_data, val_order, b, (k * plan.data_parallel + replica) * b * m, m)
-            loss = engine.eval_batch(iter(vb))
-            losses.append(float(loss) if loss is not None else 0.0)
-        val = torch.tensor(statistics.mean(losses))
-        dist.all_reduce(val, op=dist.ReduceOp.MAX)  # the last stage holds the loss, the others 0
+        val = torch.tensor(float("nan"))
+        if not timing_only:
+            val_order = list(range(len(self.val_data)))
+            losses = []
+            for k in range(settings.val_batches):
+                vb = _batches(self.val_data, val_order, b, (k * plan.data_parallel + replica) * b * m, m)
+                loss = engine.eval_batch(iter(vb))
+                losses.append(float(loss) if loss is not None else 0.0)
+            val = torch.tensor(statistics.mean(losses))
+            dist.all_reduce(val, op=dist.ReduceOp.MAX)  # the last stage holds the loss, the others 0
         mine = {"stage": stage, "times": times, "instructions": {k: v / (n - settings.warmup_steps)
                                                                  for k, v in instr.items()}, "memory": memory,
                 "device_max": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,

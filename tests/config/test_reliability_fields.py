@@ -219,8 +219,10 @@ FIELDS: dict[str, Any] = {
         "quality runs train quality_steps steps (autotune/loop.py quality())"),
     "autotune.trial_steps": Tune(lambda r: r["trial_steps"] == [3], "each trial times 3 steps (default 10)"),
     "autotune.warmup_steps": Tune(lambda r: r["trial_warmup"] == [1], "trials leave 1 step out (default 2)"),
-    "autotune.val_batches": Tune(lambda r: r["val_batches"] == [1, 2] and len(set(r["val_by_batches"])) == 2,
-                                 "the same trial evaluated over 1 and 2 batches gives two losses"),
+    "autotune.val_batches": Tune(lambda r: r["val_batches"] == [1, 2] and len(set(r["val_by_batches"])) == 2
+                                 and r["timing_only"] == {"val_is_nan": True, "steps": 3, "memory": 0},
+                                 "the same trial evaluated over 1 and 2 batches gives two losses; a "
+                                 "timing-only trial (the A/B's repeats) evaluates none"),
     "autotune.val_samples": Tune(lambda r: "ppq.autotune.val_samples=64: the training data has only 24"
                                  in r["val_samples_default_error"] and r["stock_measured"] >= 1,
                                  "8 of the 24 samples are held out for validation; the default 64 cannot be"),

@@ -161,6 +161,7 @@ def tune_case(case: dict, work: Path) -> dict:
     runner = DeepSpeedRunner(make_layers(), loss_fn, torch.utils.data.Subset(train, range(8)),
                              torch.utils.data.Subset(train, range(8, 24)), ds_config)  # 2 batches of 8
     trials = [runner.run_trial(plan, tune.model_copy(update={"val_batches": n})) for n in (1, 2)]
+    timed = runner.run_trial(plan, tune, timing_only=True)  # the comparisons' repeats: no validation
     run = measured[0]["run"]
     peak = run["peak_memory"]
 
@@ -184,6 +185,8 @@ def tune_case(case: dict, work: Path) -> dict:
         "trial_warmup": sorted({t.warmup_steps for t in trials}),
         "val_batches": [1, 2],
         "val_by_batches": [t.val_loss for t in trials],
+        "timing_only": {"val_is_nan": math.isnan(timed.val_loss), "steps": len(timed.step_times),
+                        "memory": max(st.memory["total"] for st in timed.stages)},
         "val_samples_default_error": split_error,
         "iterations": len(result["iterations"]),
         "ab_runs": len(result["ab_step_times"]["baseline"]),
