@@ -162,10 +162,7 @@ void run(uint8_t* codes, void* scales, bool sbf, int64_t B, int64_t n, const flo
     }
     float sc[ppq::sr::kRun / 16];
     ppq::sr::quantize_blocks_t<F, false, false>(w, len, B, sbf, offset + uint64_t(i0), key, codes + i0, sc);
-    for (int64_t b = 0; b < (len + B - 1) / B; ++b) {
-      if (sbf) static_cast<c10::BFloat16*>(scales)[i0 / B + b] = c10::BFloat16(sc[b]);
-      else static_cast<float*>(scales)[i0 / B + b] = sc[b];
-    }
+    ppq::sr::store_scales(scales, sbf, i0 / B, sc, (len + B - 1) / B);
   }
 }
 

@@ -94,12 +94,7 @@ void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B
   const uint32_t key = ppq::sr::hash32(static_cast<uint32_t>(seed));
   const uint64_t off = static_cast<uint64_t>(offset);
   const float qmax = ppq::sr::qmax(f);
-  c10::BFloat16* const sh = sbf ? static_cast<c10::BFloat16*>(scales.data_ptr()) : nullptr;
-  float* const sf = sbf ? nullptr : static_cast<float*>(scales.data_ptr());
-  auto put_scale = [&](int64_t j, float s) {
-    if (sbf) sh[j] = c10::BFloat16(s);
-    else sf[j] = s;
-  };
+  void* const sp = scales.data_ptr();
   const bool par = n > (1 << 15);  // small tensors stay on one thread
   // blocks handed out dynamically, ~8k values at a time: a thread the OS takes off its core does not hold
   // the others at the barrier
@@ -116,7 +111,7 @@ void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B
       bad = bad || bb;
     }
     const float s = ppq::sr::stored_scale(m, bad, qmax, sbf);
-    put_scale(0, s);
+    ppq::sr::store_scales(sp, sbf, 0, &s, 1);
 #pragma omp parallel for num_threads(par ? threads() : 1) schedule(dynamic, chunk)
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t i0 = b * B, len = std::min(n, i0 + B) - i0;
@@ -137,7 +132,7 @@ void weight_quantize_sr_out(const at::Tensor& x, c10::string_view fmt, int64_t B
     float sc[ppq::sr::kRun / 16];
     if (xbf) ppq::sr::quantize_blocks<true>(f, xr, len, B, sbf, c0, key, cp + i0, sc);
     else ppq::sr::quantize_blocks<false>(f, xr, len, B, sbf, c0, key, cp + i0, sc);
-    for (int64_t b = 0; b < (len + B - 1) / B; ++b) put_scale(i0 / B + b, sc[b]);
+    ppq::sr::store_scales(sp, sbf, i0 / B, sc, (len + B - 1) / B);
   }
 }
 

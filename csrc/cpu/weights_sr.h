@@ -304,8 +304,9 @@ inline void encode_t(const void* x, int64_t len, float inv, bool finite, uint64_
   int64_t done = 0;
 #if PPQ_ISA_AVX2
   const bool carry = static_cast<uint64_t>(static_cast<uint32_t>(c0)) + static_cast<uint64_t>(len) > 0xffffffffull;
-  done = carry ? encode_fused_avx2<F, BF16, true, false>(x, len, &inv, 62, c0, key, codes)
-               : encode_fused_avx2<F, BF16, false, false>(x, len, &inv, 62, c0, key, codes);
+  constexpr int lg = 62;  // j >> 62 is 0 for every j: inv alone, for the whole block
+  done = carry ? encode_fused_avx2<F, BF16, true, false>(x, len, &inv, lg, c0, key, codes)
+               : encode_fused_avx2<F, BF16, false, false>(x, len, &inv, lg, c0, key, codes);
 #endif
   if (done < len) {
     using T = std::conditional_t<BF16, uint16_t, float>;
@@ -366,6 +367,16 @@ inline void quantize_blocks_t(const void* x, int64_t len, int64_t B, bool scale_
     const int64_t o = b * B;
     encode_t<F, BF16>(xp + o, std::min(B, len - o), inv[b], std::isfinite(s[b]), c0 + static_cast<uint64_t>(o), key,
                       codes + o);
+  }
+}
+
+// The nb scales of a run into the op's scales tensor (fp32, or bf16 when sbf) from block `first` on.
+inline void store_scales(void* scales, bool sbf, int64_t first, const float* s, int64_t nb) {
+  if (sbf) {
+    auto* o = static_cast<c10::BFloat16*>(scales) + first;
+    for (int64_t b = 0; b < nb; ++b) o[b] = c10::BFloat16(s[b]);
+  } else {
+    std::memcpy(static_cast<float*>(scales) + first, s, static_cast<size_t>(nb) * sizeof(float));
   }
 }
 
