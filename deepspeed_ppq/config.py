@@ -99,6 +99,11 @@ class WeightsConfig(_Model):
         description="train mode: 'fp32' keeps an fp32 master weight; 'none' keeps only the low-bit codes and "
         "updates them with stochastic rounding (int8 and fp8 formats)",
     )
+    grad_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="master='none' only: the dtype the weight gradient accumulates in over micro-batches "
+        "(bf16: 2 B per value instead of 4; each micro-batch's product is rounded into it once)",
+    )
     lora_rank: int = Field(8, ge=1)
     lora_alpha: float = Field(16.0, gt=0)
     keep_first_blocks: int = Field(1, ge=0, description="first N transformer blocks stay high precision")
@@ -115,6 +120,11 @@ class WeightsConfig(_Model):
 
     @model_validator(mode="after")
     def _master_free_needs_8bit(self) -> WeightsConfig:
+        if self.grad_dtype != "fp32" and self.master != "none":
+            raise ValueError(
+                f"grad_dtype={self.grad_dtype!r} is for master-free weights (master='none'); with "
+                f"master={self.master!r} the gradient is the parameter's own: use grad_dtype='fp32'"
+            )
         if self.master == "none":
             if self.mode != "train":
                 raise ValueError(f"master='none' is a train-mode option (got mode={self.mode!r})")
@@ -310,6 +320,10 @@ class AutotuneConfig(_Model):
     master_free: bool = Field(
         True, description="the planner may choose weights.master='none' for 8-bit formats (low-bit "
         "weights with an fp32 master hold more, not less, than training-dtype weights)")
+    master_free_grad_dtype: Literal["fp32", "bf16"] = Field(
+        "bf16", description="weights.grad_dtype of the master-free plans the planner makes: the dtype "
+        "their weight gradients accumulate in (bf16: 2 B per value instead of 4); the quality gate "
+        "checks the plan as it runs")
     activation_codecs: list[CodecConfig] = Field(
         default_factory=lambda: [CodecConfig()],
         description="candidate activation codecs (bits >= the minimum)",

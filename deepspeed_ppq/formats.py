@@ -30,6 +30,7 @@ __all__ = [
     "WEIGHT_FORMATS",
     "SR_FORMATS",
     "MASTER_FREE_FORMATS",
+    "GRAD_DTYPE_BYTES",
     "format_spec",
     "cpp_header",
 ]
@@ -111,6 +112,8 @@ SR_FORMATS: tuple[str, ...] = tuple(s.name for s in FORMATS if s.stochastic_roun
 """Formats with a stochastic-rounding quantizer."""
 MASTER_FREE_FORMATS: tuple[str, ...] = tuple(s.name for s in FORMATS if s.master_free)
 """Formats whose codes can be the only copy of a trained weight (``weights.master="none"``)."""
+GRAD_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2}
+"""Bytes per value of a master-free weight's gradient buffer, by ``weights.grad_dtype``."""
 
 
 def _check_table() -> None:

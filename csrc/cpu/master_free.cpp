@@ -13,7 +13,8 @@
 //   Here a chunk of max(block_size, 256) values (a whole number of scale blocks and of 256-value
 //   optimizer blocks) is dequantized into a stack buffer (16 KiB at most: L1), updated there and
 //   re-quantized from there: the layer's bytes cross memory once (codes, scales, gradient and states in;
-//   codes, scales and states out), and nothing is allocated.
+//   codes, scales and states out), and nothing is allocated. A bf16 gradient buffer (WeightsConfig
+//   grad_dtype) is widened chunk by chunk into a second stack buffer.
 // * Chunks are independent (the SR counter of value i is offset + i whatever the order): OpenMP hands
 //   them out dynamically, 4 at a time, over torch's intra-op threads.
 // * Only per-block scales (a per-tensor fp8 scale needs the whole tensor's absmax before any code: the
@@ -135,8 +136,16 @@ inline void adamw_fp32(const ppq::adam8::Hyper& h, float* __restrict w, const fl
   }
 }
 
+// out[0 .. len) = x as fp32: exact (a bf16 is the top half of an fp32); a plain loop the compiler
+// vectorizes (zero extension and a shift).
+inline void widen_bf16(const c10::BFloat16* __restrict x, float* __restrict out, int64_t len) {
+  const uint16_t* b = reinterpret_cast<const uint16_t*>(x);
+  uint32_t* o = reinterpret_cast<uint32_t*>(out);
+  for (int64_t j = 0; j < len; ++j) o[j] = static_cast<uint32_t>(b[j]) << 16;
+}
+
 template <Fmt F>
-void run(uint8_t* codes, void* scales, bool sbf, int64_t B, int64_t n, const float* g, void* s1, void* s2,
+void run(uint8_t* codes, void* scales, bool sbf, int64_t B, int64_t n, const void* gv, bool gbf, void* s1, void* s2,
          float* a1, float* a2, const ppq::adam8::Map* m1, const ppq::adam8::Map* m2,
          const ppq::adam8::Hyper& h, uint32_t key, uint64_t offset) {
   constexpr int64_t kOpt = ppq::adam8::kBlock;
@@ -148,17 +157,21 @@ void run(uint8_t* codes, void* scales, bool sbf, int64_t B, int64_t n, const flo
 #pragma omp parallel for num_threads(std::max(1, at::get_num_threads())) schedule(dynamic, 4) if (n > (1 << 15))
   for (int64_t c = 0; c < nchunks; ++c) {
     alignas(64) float w[4096];
+    alignas(64) float gbuf[4096];
     const int64_t i0 = c * C, len = std::min(C, n - i0);
+    // a bf16 gradient widens exactly to fp32 (the reference's g.float()), chunk by chunk
+    const float* gc = gbf ? gbuf : static_cast<const float*>(gv) + i0;
+    if (gbf) widen_bf16(static_cast<const c10::BFloat16*>(gv) + i0, gbuf, len);
     for (int64_t o = 0; o < len; o += B) dequantize_block<F>(codes + i0 + o, scale_at((i0 + o) / B), w + o, std::min(B, len - o));
     if (states8) {
       auto* q1 = static_cast<uint8_t*>(s1) + i0;
       auto* q2 = static_cast<uint8_t*>(s2) + i0;
       for (int64_t o = 0; o < len; o += kOpt) {
         const int64_t b = (i0 + o) / kOpt;
-        ppq::adam8::block_step(h, *m1, *m2, w + o, g + i0 + o, q1 + o, q2 + o, a1 + b, a2 + b, std::min(kOpt, len - o));
+        ppq::adam8::block_step(h, *m1, *m2, w + o, gc + o, q1 + o, q2 + o, a1 + b, a2 + b, std::min(kOpt, len - o));
       }
     } else {
-      adamw_fp32(h, w, g + i0, static_cast<float*>(s1) + i0, static_cast<float*>(s2) + i0, len);
+      adamw_fp32(h, w, gc, static_cast<float*>(s1) + i0, static_cast<float*>(s2) + i0, len);
     }
     float sc[ppq::sr::kRun / 16];
     ppq::sr::quantize_blocks_t<F, false, false>(w, len, B, sbf, offset + uint64_t(i0), key, codes + i0, sc);
@@ -181,7 +194,9 @@ void master_free_adamw_step_(at::Tensor& codes, at::Tensor& scales, c10::string_
   TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16, "scales has dtype ",
               scales.scalar_type(), "; allowed: Float or BFloat16");
   check(scales, "scales", scales.scalar_type(), nb);
-  check(g, "g", at::kFloat, n);
+  TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kBFloat16, "g has dtype ",
+              g.scalar_type(), "; allowed: Float or BFloat16 (a master-free layer's gradient buffer)");
+  check(g, "g", g.scalar_type(), n);
   TORCH_CHECK(step >= 1, "step=", step, " must be >= 1");
   TORCH_CHECK(seed >= 0 && seed <= 0xffffffffLL, "seed=", seed, " is not allowed: use [0, 2^32)");
   TORCH_CHECK(offset >= 0, "offset=", offset, " is not allowed: use a non-negative counter");
@@ -211,11 +226,12 @@ void master_free_adamw_step_(at::Tensor& codes, at::Tensor& scales, c10::string_
   void* sp = scales.data_ptr();
   void* s1 = state1.data_ptr();
   void* s2 = state2.data_ptr();
-  const float* gp = g.data_ptr<float>();
+  const void* gp = g.data_ptr();
+  const bool gbf = g.scalar_type() == at::kBFloat16;
   switch (f) {
-    case Fmt::I8: run<Fmt::I8>(cp, sp, sbf, B, n, gp, s1, s2, a1, a2, m1, m2, h, key, off); break;
-    case Fmt::E4M3: run<Fmt::E4M3>(cp, sp, sbf, B, n, gp, s1, s2, a1, a2, m1, m2, h, key, off); break;
-    default: run<Fmt::E5M2>(cp, sp, sbf, B, n, gp, s1, s2, a1, a2, m1, m2, h, key, off); break;
+    case Fmt::I8: run<Fmt::I8>(cp, sp, sbf, B, n, gp, gbf, s1, s2, a1, a2, m1, m2, h, key, off); break;
+    case Fmt::E4M3: run<Fmt::E4M3>(cp, sp, sbf, B, n, gp, gbf, s1, s2, a1, a2, m1, m2, h, key, off); break;
+    default: run<Fmt::E5M2>(cp, sp, sbf, B, n, gp, gbf, s1, s2, a1, a2, m1, m2, h, key, off); break;
   }
 }
 

@@ -8,7 +8,8 @@ Memory accounting per parameter (what a stage keeps; see ``layer_static_bytes``)
     for quantized Linear weights, training dtype for the rest), measured by the profiler;
   - master_weights: an fp32 master copy of every quantized weight (4 B/param; the optimizer updates it), none
     when the weights are master-free (8-bit codes updated in place with stochastic rounding);
-  - gradients: fp32, 4 B per trainable parameter;
+  - gradients: fp32, 4 B per trainable parameter; a master-free weight's gradient buffer in its
+    ``grad_dtype`` (4 B fp32 or 2 B bf16 per value);
   - optimizer: Adam, 8 B per trainable parameter (+ 4 B step per tensor); with 8-bit states
     (bitsandbytes blockwise, 256 values per fp32 absmax) 2 B + 2 x 4 B per 256 values, except tensors
     below 4096 elements, which keep fp32 states. The two 8-bit code maps the optimizer shares (2 KiB in
@@ -132,17 +133,20 @@ class LayerProfile:
         f, bi, bw = (interpolate_time(p, micro_batch) for p in parts)
         return f, bi, bw
 
-    def static_bytes(self, fmt: str, optimizer_8bit: bool, master_free: bool = False) -> dict[str, int]:
+    def static_bytes(self, fmt: str, optimizer_8bit: bool, master_free: bool = False,
+                     master_free_grad_bytes: int = 4) -> dict[str, int]:
         """Bytes this layer keeps regardless of micro-batches, by category.
 
         ``master_free``: low-bit weights keep only their codes (``weights.master="none"``, 8-bit
-        formats): no fp32 master; the weight gradient (an fp32 buffer) and the optimizer states stay."""
+        formats): no fp32 master; the weight gradient (a buffer of ``master_free_grad_bytes`` per value:
+        4 fp32, 2 bf16) and the optimizer states stay."""
         if master_free and fmt not in ("none", *MASTER_FREE_FORMATS):
             raise ValueError(f"format {fmt!r} cannot be master-free: use one of {MASTER_FREE_FORMATS}")
+        q = self.quantizable_params if fmt != "none" else 0
         return {
             "weights": self.weight_bytes[fmt],
-            "master_weights": 4 * self.quantizable_params if fmt != "none" and not master_free else 0,
-            "gradients": 4 * self.params,
+            "master_weights": 4 * q if not master_free else 0,
+            "gradients": 4 * self.params - (4 - master_free_grad_bytes) * (q if master_free else 0),
             "optimizer": optimizer_bytes(self.param_numels, optimizer_8bit),
         }
 

@@ -115,6 +115,7 @@ def build_problem(settings, world_size: int, global_batch: int, profile: Profile
         gradient_codecs=pick(settings.gradient_codecs, settings.min_gradient_bits, "gradient_codecs"),
         optimizer_8bit=[False, True] if settings.optimizer_8bit else [False],
         master_free=[False, True] if settings.master_free else [False],
+        master_free_grad_dtype=settings.master_free_grad_dtype,
         allow_recompute=settings.allow_recompute,
         link=profile.link,
         optimizer_s_per_param=adam,

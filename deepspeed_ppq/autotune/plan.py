@@ -96,6 +96,7 @@ class Plan:
     gradient_codec: dict[str, Any] = field(default_factory=lambda: {"method": "none"})
     optimizer_8bit: bool = False
     master_free: bool = False
+    master_free_grad_dtype: str = "fp32"
     block_size: int = 64
     predicted_step_time: float = 0.0
     predicted_bubble_fraction: float = 0.0
@@ -197,6 +198,7 @@ class Plan:
                 "keep_first_blocks": 0,
                 "keep_last_blocks": 0,
                 "master": "none" if self.master_free else "fp32",
+                "grad_dtype": self.master_free_grad_dtype if self.master_free else "fp32",
                 "rules": self.precision_rules(),
                 "optimizer_8bit": self.optimizer_8bit,
             },

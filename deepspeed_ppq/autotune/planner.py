@@ -43,6 +43,7 @@ from deepspeed_ppq.autotune.costs import (
 )
 from deepspeed_ppq.autotune.memory import PREDICTED
 from deepspeed_ppq.autotune.plan import Plan, StagePlan, recomputes
+from deepspeed_ppq.formats import GRAD_DTYPE_BYTES
 from deepspeed_ppq.quant.optim import MIN_8BIT_SIZE
 from deepspeed_ppq.schedule import LinkModel
 
@@ -88,6 +89,8 @@ class PlanningProblem:
         optimizer_8bit: candidates for 8-bit optimizer states.
         master_free: candidates for master-free low-bit weights (``weights.master="none"``: one setting
             for the whole model, as the config has it; with it on, stages use 8-bit levels only).
+        master_free_grad_dtype: the gradient buffer of master-free weights (``weights.grad_dtype``:
+            ``"fp32"`` or ``"bf16"``).
         allow_recompute: let the planner checkpoint a stage's activations.
         low_bit_only: every stage runs a low-bit level (its layers in the format the policy allows them;
             the others stay in the training dtype): the best plan with low-bit weights, for reports.
@@ -122,6 +125,7 @@ class PlanningProblem:
     gradient_codecs: list[CodecOption] = field(default_factory=lambda: [NO_CODEC])
     optimizer_8bit: list[bool] = field(default_factory=lambda: [False])
     master_free: list[bool] = field(default_factory=lambda: [False])
+    master_free_grad_dtype: str = "fp32"
     allow_recompute: bool = True
     recompute_keep: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     low_bit_only: bool = False
@@ -132,6 +136,14 @@ class PlanningProblem:
     step_transient_bytes_per_param: float = 0.0
     step_fixed_bytes: float = 0.0
     activation_scale: float = 1.0
+
+    @property
+    def master_free_grad_bytes(self) -> int:
+        """Bytes per value of a master-free weight's gradient buffer."""
+        if self.master_free_grad_dtype not in GRAD_DTYPE_BYTES:
+            raise ValueError(f"master_free_grad_dtype={self.master_free_grad_dtype!r}: use one of "
+                             f"{sorted(GRAD_DTYPE_BYTES)}")
+        return GRAD_DTYPE_BYTES[self.master_free_grad_dtype]
 
     def levels(self) -> list[str]:
         """Precision levels a stage can run at: ``none`` and every format some layer allows."""
@@ -230,7 +242,8 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
     if c.level not in stage_levels(prob, k):
         raise ValueError(f"level {c.level!r} is not a choice under {k}: use one of {stage_levels(prob, k)}")
     for layer in layers:
-        for cat, v in layer.static_bytes(layer.format_for(c.level), k.optimizer_8bit, k.master_free).items():
+        for cat, v in layer.static_bytes(layer.format_for(c.level), k.optimizer_8bit, k.master_free,
+                                          prob.master_free_grad_bytes).items():
             mem[cat] += v
     # the low-bit layers share one dequantization buffer: the largest of theirs
     mem["weights"] += max(layer.workspace_bytes.get(layer.format_for(c.level), 0) for layer in layers)
@@ -356,7 +369,8 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
         fmts = [layer.format_for(level) for layer in layers]
         tm = np.array([layer.time(f, b) for layer, f in zip(layers, fmts)])
         stat = [
-            sum(layer.static_bytes(f, optimizer_8bit, master_free).values()) for layer, f in zip(layers, fmts)
+            sum(layer.static_bytes(f, optimizer_8bit, master_free, prob.master_free_grad_bytes).values())
+            for layer, f in zip(layers, fmts)
         ]
         saved = np.array([layer.saved_bytes[f] * b for layer, f in zip(layers, fmts)], dtype=float)
         trans = {r: range_max(np.array([layer.transient_bytes(f, r, b) for layer, f in zip(layers, fmts)],
@@ -553,6 +567,7 @@ def _to_plan(prob: PlanningProblem, k: Knobs, stages: list[StageChoice], ev: dic
         gradient_codec=k.gradient_codec.as_dict,
         optimizer_8bit=k.optimizer_8bit,
         master_free=k.master_free,
+        master_free_grad_dtype=prob.master_free_grad_dtype if k.master_free else "fp32",
         predicted_step_time=ev["step_time"],
         predicted_bubble_fraction=ev["bubble_fraction"],
         memory_budget=prob.memory_budget,

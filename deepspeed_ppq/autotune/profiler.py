@@ -342,7 +342,8 @@ def profile_codecs(
     return out
 
 
-def optimizer_costs(n: int = 1 << 20, reps: int = 5, device: torch.device | str = "cpu") -> dict[str, float]:
+def optimizer_costs(n: int = 1 << 20, reps: int = 5, device: torch.device | str = "cpu",
+                    grad_dtype: str = "fp32") -> dict[str, float]:
     """Optimizer step seconds per parameter by kind, on an ``n``-value weight (median of ``reps``).
 
     Kinds (what ``planner.optimizer_kind_of`` charges each parameter):
@@ -350,7 +351,8 @@ def optimizer_costs(n: int = 1 << 20, reps: int = 5, device: torch.device | str 
         trials and plans run it;
       - ``adam8bit``: bitsandbytes ``Adam8bit`` (its CPU backend is plain PyTorch ops: ~40x fp32 Adam);
       - ``master_free`` / ``master_free_8bit``: a master-free int8 ``QuantLinear``'s update (dequantize,
-        AdamW, stochastic-rounding re-quantize) with fp32 or 8-bit states.
+        AdamW, stochastic-rounding re-quantize) with fp32 or 8-bit states, its gradient buffer in
+        ``grad_dtype`` (``WeightsConfig.grad_dtype``).
     A kind whose package is missing (bitsandbytes) is left out; the planner then charges it as ``adam``.
     """
     from deepspeed_ppq.config import WeightsConfig
@@ -371,11 +373,11 @@ def optimizer_costs(n: int = 1 << 20, reps: int = 5, device: torch.device | str 
             continue
         out[kind] = _median_time(opt.step, dev, reps, 1) / n
     for key, o8 in (("master_free", False), ("master_free_8bit", True)):
-        cfg = WeightsConfig(format="int8", master="none", optimizer_8bit=o8)
+        cfg = WeightsConfig(format="int8", master="none", optimizer_8bit=o8, grad_dtype=grad_dtype)
         lin = nn.Linear(side, side, bias=False, device=dev)
         try:
             layer = QuantLinear.from_linear(lin, "int8", cfg)
-            layer.weight_grad = torch.randn(side, side, device=dev) * 1e-3
+            layer.weight_grad = (torch.randn(side, side, device=dev) * 1e-3).to(layer.grad_dtype)
             step = lambda: master_free_step([layer], lr=1e-3)  # noqa: E731, B023
             out[key] = _median_time(step, dev, reps, 1) / n
         except ImportError:

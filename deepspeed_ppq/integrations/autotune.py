@@ -139,8 +139,10 @@ class DeepSpeedRunner:
         payload = None
         if self.rank == 0:
             layers = build_layers(self.specs)
+            grad_dtype = settings.master_free_grad_dtype
             key = profiler.profile_key(layers, mbs=timed, formats=fmts, reps=settings.profile_reps,
-                                       weights=self.weights.model_dump(mode="json"), codecs=sorted(codecs))
+                                       weights=self.weights.model_dump(mode="json"), codecs=sorted(codecs),
+                                       master_free_grad_dtype=grad_dtype)
             cached = profiler.load_cached(settings.profile_cache, key) if settings.profile_cache else None
             if cached is not None:
                 try:
@@ -160,7 +162,8 @@ class DeepSpeedRunner:
                 boundary = max(lprof[:-1], key=lambda lp: lp.output_bytes) if len(lprof) > 1 else lprof[0]
                 shape = (mbs[-1], max(1, boundary.output_bytes // 4))
                 prof = Profile(layers=lprof, codecs=profiler.profile_codecs(list(codecs.values()), shape),
-                               link=profiler.DEFAULT_LINK, optimizer_costs=profiler.optimizer_costs(),
+                               link=profiler.DEFAULT_LINK,
+                               optimizer_costs=profiler.optimizer_costs(grad_dtype=grad_dtype),
                                step_transient_bytes_per_param=_DS_STEP_TRANSIENT)
                 payload = prof.to_dict()
                 if settings.profile_cache:

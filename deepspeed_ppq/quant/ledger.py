@@ -33,12 +33,13 @@ the coarse categories a measurement is compared in):
 =================================  ============================================================
 
 Master-free layers (``WeightsConfig.master="none"``, ``quant.master_free``): codes + scales, no
-``master_weights``; their fp32 gradient buffer is under ``gradients`` (4 B/value, kept allocated
-between steps) and their AdamW moments under the ``optimizer.*`` categories: fp32 (8 B/value) or,
-with ``optimizer_8bit`` and at least 4096 values, 8-bit (2 B/value + ``absmax``), plus one pair of
-shared code maps (``optimizer.qmap``) per device. The step count is a Python int (no
-``optimizer.step`` bytes). Per value with int8, block 64, fp32 scales: 1.0625 + 4 + 8 = 13.06 B
-(fp32 moments) or 7.09 B (8-bit moments), against 16 B for a dense fp32 layer with Adam.
+``master_weights``; their gradient buffer is under ``gradients`` (4 B/value fp32, 2 B with
+``grad_dtype="bf16"``; kept allocated between steps) and their AdamW moments under the
+``optimizer.*`` categories: fp32 (8 B/value) or, with ``optimizer_8bit`` and at least 4096 values,
+8-bit (2 B/value + ``absmax``), plus one pair of shared code maps (``optimizer.qmap``) per device.
+The step count is a Python int (no ``optimizer.step`` bytes). Per value with int8, block 64, fp32
+scales: 1.0625 + 4 + 8 = 13.06 B (fp32 moments) or 7.09 B (8-bit moments; 5.09 B with a bf16
+gradient), against 16 B for a dense fp32 layer with Adam (10 B with 8-bit Adam).
 Per layer, for the planner: ``ledger_from_shapes([ParamSpec(name, shape, "int8", master="none")],
 WeightsConfig(master="none", optimizer_8bit=...), optimizer=...)``.
 
@@ -63,7 +64,7 @@ import torch
 from torch import nn
 
 from deepspeed_ppq.config import WeightFormat, WeightsConfig
-from deepspeed_ppq.formats import MASTER_FREE_FORMATS, format_spec
+from deepspeed_ppq.formats import GRAD_DTYPE_BYTES, MASTER_FREE_FORMATS, format_spec
 from deepspeed_ppq.memory_categories import category, coarse
 from deepspeed_ppq.quant.formats import weight_storage_bytes
 from deepspeed_ppq.quant.linear import QuantLinear, workspace_tensors
@@ -253,7 +254,8 @@ def ledger_from_shapes(
                 led.add("weights.dense.float32", lora_n * 4)
                 trained.append((lora_n, torch.float32))
     if gradients:
-        led.add("gradients", sum(n * dt.itemsize for n, dt in trained) + 4 * sum(master_free))
+        led.add("gradients", sum(n * dt.itemsize for n, dt in trained)
+                + GRAD_DTYPE_BYTES[cfg.grad_dtype] * sum(master_free))
     if optimizer is not None and master_free:
         mf_kind = "adamw8bit" if cfg.optimizer_8bit else "adamw"
         for n in master_free:

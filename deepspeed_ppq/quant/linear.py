@@ -123,11 +123,11 @@ class DequantLinearFunction(torch.autograd.Function):
             if layer.master_free:
                 if layer.weight_grad is None:
                     layer.weight_grad = torch.zeros(
-                        layer.qweight.shape, dtype=torch.float32, device=layer.qweight.qdata.device
+                        layer.qweight.shape, dtype=layer.grad_dtype, device=layer.qweight.qdata.device
                     )
-                if g2.dtype == torch.float32:
+                if g2.dtype == layer.weight_grad.dtype:
                     layer.weight_grad.addmm_(g2.t(), x2)
-                else:
+                else:  # the product in the compute dtype, then one rounding into the buffer's
                     layer.weight_grad.add_(g2.t().mm(x2))
             else:
                 grad_w = g2.t().mm(x2).to(layer.weight.dtype)
@@ -196,7 +196,8 @@ class QuantLinear(nn.Module):
             allowed = ", ".join(MASTER_FREE_FORMATS)
             raise ValueError(f"master='none' needs an 8-bit format ({allowed}), got fmt={fmt.value!r}")
         self.sr_seed = int(sr_seed)
-        self.weight_grad: torch.Tensor | None = None  # master-free: accumulated fp32 weight gradient
+        self.weight_grad: torch.Tensor | None = None  # master-free: accumulated weight gradient
+        self.grad_dtype = torch.bfloat16 if cfg.grad_dtype == "bf16" else torch.float32
         self.optim_state: dict[str, torch.Tensor] = {}  # master-free: AdamW moments (fp32 or 8-bit)
         self.optim_step = 0
         self._grad_anchor = torch.empty(0, device=master.device, requires_grad=True)

@@ -1,17 +1,22 @@
 """Master-free low-bit training (``WeightsConfig.master="none"``): only the 8-bit codes are kept.
 
 A master-free ``QuantLinear`` has no fp32 master and no weight ``nn.Parameter``. Per weight value it
-holds the codes (1 B) + block scales, an fp32 gradient buffer (4 B) and AdamW states (8 B fp32, or
-2 B + absmax with 8-bit states): 13 B (7 B) against 16 B for a dense fp32 weight with Adam. Each
+holds the codes (1 B) + block scales, a gradient buffer (4 B fp32, or 2 B with
+``WeightsConfig.grad_dtype="bf16"``) and AdamW states (8 B fp32, or 2 B + absmax with 8-bit states):
+13 B (7 B; 5 B with a bf16 gradient) against 16 B for a dense fp32 weight with Adam (10 B with 8-bit
+Adam). Each
 update is dequantize -> AdamW in fp32 (a transient dense copy, one layer at a time) -> re-quantize
 with stochastic rounding (``quant.sr_ops``), so updates smaller than a code step survive in
 expectation (torchao's INT8 quantized training; Zamirai et al., "Revisiting BFloat16 Training").
 
 How it plugs into a training loop, plain or DeepSpeed (DeepSpeed steps only ``nn.Parameter``s):
 
-* Gradient: the layer's autograd Function adds ``grad_y^T x`` into ``layer.weight_grad`` (fp32
-  [out, in], allocated at the first backward), so micro-batches accumulate there as DeepSpeed's
-  gradient accumulation does for parameters (DeepSpeed already scales the loss by 1/GAS).
+* Gradient: the layer's autograd Function adds ``grad_y^T x`` into ``layer.weight_grad`` ([out, in],
+  allocated at the first backward), so micro-batches accumulate there as DeepSpeed's gradient
+  accumulation does for parameters (DeepSpeed already scales the loss by 1/GAS). The buffer is fp32,
+  or bf16 with ``grad_dtype="bf16"``: each micro-batch's product is computed in fp32 and added with
+  one rounding to bf16 (as Megatron's bf16 gradient accumulation without
+  ``--accumulate-allreduce-grads-in-fp32``); the update widens it back to fp32 exactly.
 * Step: ``attach_master_free(optimizer_or_engine, model)`` hooks the end of the main optimizer's
   ``step`` (the same hook points as ``requantize_after_step``: a step post-hook on the torch
   optimizer, or a wrapped ``step`` on a DeepSpeed bf16/ZeRO wrapper). The hook reads ``lr``,
@@ -79,6 +84,9 @@ def _adamw_fp32_ref(w, g, m, v, beta1, beta2, eps, step, lr, weight_decay, grad_
 
 def _master_free_step_ref(codes, scales, fmt, block_size, g, state1, state2, absmax1, absmax2, qmap1, qmap2,
                           beta1, beta2, eps, step, lr, weight_decay, grad_scale, seed, offset):
+    if g.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"master-free update: g has dtype {g.dtype}; allowed: float32 or bfloat16")
+    g = g.float()  # a bf16 gradient buffer widens exactly
     w = torch.empty(g.numel(), dtype=torch.float32, device=g.device)
     registered_ops()["weight_dequantize_out"](codes.reshape(-1), scales, fmt, block_size, w)
     hyper = (beta1, beta2, eps, step, lr, weight_decay, grad_scale)
@@ -195,6 +203,7 @@ def master_free_step(layers, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, w
             _check_finite_update(qw, fmt)
         else:  # a per-tensor fp8 scale: the three ops (see the module docstring)
             w = qw.dequantize(torch.float32)  # transient fp32 copy of this one layer
+            g = g.float()
             if "state1" in st:
                 q1, q2 = _qmaps(w.device)
                 adam8bit_step(

@@ -56,12 +56,14 @@ def test_warmup_must_leave_timed_steps():
 def test_settings_reach_the_planning_problem():
     s = AutotuneConfig(memory_budget="3MiB", micro_batch_sizes=[1, 2], pipeline_degrees=[2],
                        allow_recompute=False, optimizer_8bit=False, master_free=False, min_activation_bits=4,
+                       master_free_grad_dtype="fp32",
                        activation_codecs=[{"method": "none"}, {"method": "quant", "bits": 6},
                                           {"method": "quant", "bits": 2}])
     prob = build_problem(s, world_size=2, global_batch=8, profile=_profile())
     assert prob.memory_budget == 3 * 2**20 and prob.micro_batch_sizes == [1, 2]
     assert prob.pipeline_degrees == [2] and not prob.allow_recompute
     assert prob.optimizer_8bit == [False] and prob.master_free == [False]
+    assert prob.master_free_grad_dtype == "fp32"  # default bf16
     assert [c.label for c in prob.activation_codecs] == ["none", "quant6"]  # 2 bits < min_activation_bits
     assert prob.optimizer_cost_ratio == {"adam8bit": 2.0} and prob.step_transient_bytes_per_param == 4.0
     assert default_micro_batch_sizes(24) == [1, 2, 3, 4, 6, 8, 12]

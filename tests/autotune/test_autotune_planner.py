@@ -466,6 +466,27 @@ def test_master_free_frees_the_masters_and_searches_exactly():
     assert with_masters.ppq_section()["weights"]["master"] == "fp32"
 
 
+def test_master_free_bf16_gradients_halve_their_buffers():
+    """``master_free_grad_dtype="bf16"``: a master-free weight's gradient buffer costs 2 B/param instead
+    of 4 (the other trainable parameters keep fp32 gradients); the plan renders ``weights.grad_dtype``, a
+    plan with fp32 masters keeps fp32 gradients, and a name that is not a dtype is refused."""
+    from deepspeed_ppq.autotune.planner import stage_memory
+
+    prob = _problem(6, 6, world_size=2, global_batch=8, pipeline_degrees=[2], master_free=[True])
+    half = PlanningProblem(**{**prob.__dict__, "master_free_grad_dtype": "bf16"})
+    kf, c = _knobs(2, 2, 4, master_free=True), StageChoice(1, 4, "int8", False)
+    q = sum(layer.quantizable_params for layer in prob.layers[1:4])
+    full, lean = stage_memory(prob, kf, c, 0), stage_memory(half, kf, c, 0)
+    assert full["gradients"] - lean["gradients"] == 2 * q > 0
+    assert {x: lean[x] for x in lean if x != "gradients"} == {x: full[x] for x in full if x != "gradients"}
+    plan = plan_pipeline(half)
+    assert plan.master_free and plan.ppq_section()["weights"]["grad_dtype"] == "bf16"
+    masters = plan_pipeline(PlanningProblem(**{**half.__dict__, "master_free": [False]}))
+    assert masters.ppq_section()["weights"]["grad_dtype"] == "fp32"
+    with pytest.raises(ValueError, match="master_free_grad_dtype='fp16'"):
+        stage_memory(PlanningProblem(**{**prob.__dict__, "master_free_grad_dtype": "fp16"}), kf, c, 0)
+
+
 def test_back_off_gives_masters_back_first():
     from deepspeed_ppq.autotune.loop import back_off
 

@@ -97,6 +97,8 @@ def engine_cases(work: Path) -> dict[str, dict]:
                                      "keep_last_blocks": 1}},
         "fp8": {"weights": FP8},
         "fp8_tensor_mf": {"weights": {**FP8, "fp8_scale": "tensor", "master": "none"}},
+        "fp8_tensor_mf_bf16": {"weights": {**FP8, "fp8_scale": "tensor", "master": "none",
+                                           "grad_dtype": "bf16"}},
         "frozen": {"weights": FROZEN},
         "frozen_rank2": {"weights": {**FROZEN, "lora_rank": 2}},
         "frozen_alpha": {"weights": {**FROZEN, "lora_alpha": 64.0}},
@@ -165,6 +167,8 @@ FIELDS: dict[str, Any] = {
     "weights.fp8_scale": Run("fp8_tensor_mf", "fp8", differs=("low_bit.fp8_scale", "losses")),
     "weights.mode": Run("frozen", "int8", differs=("low_bit.mode", "trainable", "losses")),
     "weights.master": Run("fp8_tensor_mf", "fp8", differs=("low_bit.master_free", "trainable")),
+    "weights.grad_dtype": Run("fp8_tensor_mf_bf16", "fp8_tensor_mf",
+                              differs=("low_bit.grad_bytes", "losses.1"), same=("losses.0",)),
     "weights.lora_rank": Run("frozen_rank2", "frozen", differs=("low_bit.lora_rank", "trainable")),
     # B starts at zero, so the scale shows from the second step on
     "weights.lora_alpha": Run("frozen_alpha", "frozen", differs=("losses.1",),
@@ -254,7 +258,8 @@ FIELDS: dict[str, Any] = {
                               "reaches the planning problem; tests/autotune/test_autotune_planner.py plans "
                               "with it")
        for f in ("memory_budget", "micro_batch_sizes", "pipeline_degrees", "allow_recompute",
-                 "optimizer_8bit", "master_free", "min_activation_bits", "activation_codecs")},
+                 "optimizer_8bit", "master_free", "master_free_grad_dtype", "min_activation_bits",
+                 "activation_codecs")},
     "autotune.min_gradient_bits": Shown(GRADIENT_CANDIDATES, "candidates below it are dropped"),
     "autotune.gradient_codecs": Shown(GRADIENT_CANDIDATES, "the candidates the planner chooses from"),
     # a candidate codec becomes the plan's ppq.activations / ppq.gradients: the fields above
@@ -283,6 +288,10 @@ FLAGS: dict[str, Any] = {
     "--ppq-weights-mode": Shown(LAYERS, SHARED_LINEAR + "frozen: LoRA adapters beside the codes"),
     "--ppq-weights-master": Refused(["--ppq-weights-format", "int8", "--ppq-weights-master", "none"],
                                     DEEPSPEED_ONLY.format("--ppq-weights-master none")),
+    # bf16 gradient buffers are for master-free weights only, which Megatron refuses (above)
+    "--ppq-weights-grad-dtype": Refused(["--ppq-weights-format", "int8", "--ppq-weights-master", "none",
+                                         "--ppq-weights-grad-dtype", "bf16"],
+                                        DEEPSPEED_ONLY.format("--ppq-weights-master none")),
     "--ppq-weights-lora-rank": Shown(LAYERS, SHARED_LINEAR + "adapter rank"),
     "--ppq-weights-lora-alpha": Shown(LAYERS, SHARED_LINEAR + "adapter scale"),
     "--ppq-weights-keep-first-blocks": Shown(LAYERS, "global layer numbers across stages"),

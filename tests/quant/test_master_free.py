@@ -195,6 +195,32 @@ def test_fused_update_equals_reference_bit_for_bit(fmt, scale_dtype, state_8bit,
 
 
 @pytest.mark.skipif(not has_kernel("master_free_adamw_step_"), reason="needs the C++ extension (make build)")
+@pytest.mark.parametrize("state_8bit", [False, True])
+@pytest.mark.parametrize("fmt", SR_FORMATS)
+@pytest.mark.parametrize("n,block_size", [(5, 16), (70_000 + 77, 64)])
+def test_fused_update_with_a_bf16_gradient_equals_the_reference(fmt, state_8bit, n, block_size):
+    """A bf16 gradient buffer (weights.grad_dtype="bf16") is widened exactly: the op equals the
+    reference, and equals the update with that gradient given in fp32, bit for bit."""
+    if state_8bit and not _QMAPS:
+        bnbf = pytest.importorskip("bitsandbytes.functional")
+        _QMAPS.extend([bnbf.create_dynamic_map(signed=True), bnbf.create_dynamic_map(signed=False)])
+    ref = registered_ops()["master_free_adamw_step_"]
+    a = _fused_case(fmt, n, block_size, state_8bit, torch.float32)
+    a[2] = a[2].bfloat16()
+    b, c = [x.clone() for x in a], [x.clone() for x in a]
+    c[2] = c[2].float()
+    hyper = (0.9, 0.999, 1e-8, 2, 1e-2, 0.1, 0.5, 77, 5 * n)
+    torch.ops.ppq.master_free_adamw_step_(a[0], a[1], fmt, block_size, *a[2:], *hyper)
+    ref(b[0], b[1], fmt, block_size, *b[2:], *hyper)
+    torch.ops.ppq.master_free_adamw_step_(c[0], c[1], fmt, block_size, *c[2:], *hyper)
+    for name, x, y, z in zip(("codes", "scales", "g", "state1", "state2", "absmax1", "absmax2"), a, b, c):
+        if name == "g":
+            continue
+        x, y, z = (t.view(torch.uint8) if t.dtype.itemsize == 1 else t for t in (x, y, z))
+        assert torch.equal(x, y) and torch.equal(x, z), name
+
+
+@pytest.mark.skipif(not has_kernel("master_free_adamw_step_"), reason="needs the C++ extension (make build)")
 def test_fused_update_bad_input_names_the_argument():
     a = _fused_case("int8", 300, 64, False, torch.float32)
     hyper = (0.9, 0.999, 1e-8, 1, 1e-2, 0.0, 1.0, 1, 0)
@@ -207,6 +233,8 @@ def test_fused_update_bad_input_names_the_argument():
         torch.ops.ppq.master_free_adamw_step_(a[0], a[1][:4], "int8", 64, *a[2:], *hyper)
     with pytest.raises(RuntimeError, match="block_size=48 is not allowed"):
         torch.ops.ppq.master_free_adamw_step_(a[0], a[1], "int8", 48, *a[2:], *hyper)
+    with pytest.raises(RuntimeError, match="g has dtype Half; allowed: Float or BFloat16"):
+        torch.ops.ppq.master_free_adamw_step_(a[0], a[1], "int8", 64, a[2].half(), *a[3:], *hyper)
 
 
 def test_fused_update_opcheck():
@@ -318,6 +346,24 @@ def test_master_free_layer_has_no_master_and_accumulates_the_weight_gradient():
         layer.requantize_()
     with pytest.raises(ValueError, match="master='none' needs 8-bit codes"):
         WeightsConfig(format="nf4", master="none")
+
+
+def test_a_bf16_gradient_buffer_accumulates_each_micro_batch_rounded_once():
+    """grad_dtype="bf16": the buffer is bf16 (2 B per value); each micro-batch's fp32 product is added
+    with one rounding, so the buffer is the fp32 sum to within bf16's precision per micro-batch."""
+    layer, _ = _mf_layer(grad_dtype="bf16")
+    w = layer.dequantized_weight().requires_grad_(True)
+    expect = torch.zeros(45, 70, dtype=torch.bfloat16)
+    for _ in range(4):
+        x = torch.randn(3, 5, 70)
+        layer(x).square().sum().backward()
+        w.grad = None
+        torch.nn.functional.linear(x, w, layer.bias.detach()).square().sum().backward()
+        expect = (expect.float() + w.grad).bfloat16()  # one rounding per micro-batch
+    assert layer.weight_grad.dtype == torch.bfloat16
+    torch.testing.assert_close(layer.weight_grad.float(), expect.float(), rtol=2**-7, atol=1e-6)
+    with pytest.raises(ValueError, match="grad_dtype='bf16' is for master-free weights"):
+        WeightsConfig(format="int8", grad_dtype="bf16")
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
@@ -437,12 +483,12 @@ def test_attach_errors():
 # --- ledger ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("state_8bit", [False, True])
+@pytest.mark.parametrize("state_8bit,grad_dtype", [(False, "fp32"), (True, "fp32"), (True, "bf16")])
 @pytest.mark.parametrize("main", ["adamw", "adamw8bit"])
-def test_ledger_prediction_equals_measurement(state_8bit, main):
+def test_ledger_prediction_equals_measurement(state_8bit, grad_dtype, main):
     cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=64, n_heads=2, n_layers=2)
     blocks = [i for i, k in enumerate(layer_kinds(cfg)) if k == "block"]
-    wcfg = _mf_cfg(optimizer_8bit=state_8bit)
+    wcfg = _mf_cfg(optimizer_8bit=state_8bit, grad_dtype=grad_dtype)
     clear_workspace()  # the shared dequantization buffer may hold a larger weight of an earlier test
     torch.manual_seed(0)
     before = ledger_from_model(GPT(cfg), wcfg, optimizer=main, block_layers=blocks)  # from nn.Linear
@@ -468,13 +514,15 @@ def test_ledger_per_value_bytes():
     shape, n = (4096, 4096), 4096 * 4096
 
     def per_value(**kw):
-        led = ledger_from_shapes([ParamSpec("w", shape, "int8", master=kw.pop("master"))],
-                                 WeightsConfig(**kw), optimizer="adamw", compute_dtype=None)
+        master = kw.pop("master")
+        led = ledger_from_shapes([ParamSpec("w", shape, "int8", master=master)],
+                                 WeightsConfig(master=master, **kw), optimizer="adamw", compute_dtype=None)
         return led.total / n
 
     assert per_value(master="none") == pytest.approx(1 + 4 / 64 + 4 + 8)
     eight = per_value(master="none", optimizer_8bit=True)
     assert eight == pytest.approx(1 + 4 / 64 + 4 + 2 + 8 / 256 + 2048 / n)  # + the two shared code maps
+    assert per_value(master="none", optimizer_8bit=True, grad_dtype="bf16") == pytest.approx(eight - 2)
     assert per_value(master="fp32") == pytest.approx(1 + 4 / 64 + 4 + 4 + 8 + 4 / n)  # + Adam's step
     dense = ledger_from_shapes([("w", shape)], optimizer="adamw", compute_dtype=None).total / n
     assert dense == pytest.approx(16 + 4 / n)
