@@ -253,6 +253,17 @@ def same_configuration(a: Plan, b: Plan) -> bool:
     return key(a) == key(b)
 
 
+def _rebalance_label(fill: Plan, tuned: Plan) -> str:
+    """The re-balancing rung's name: what the tuned plan changes after the fill rung (one low-bit level
+    on every stage at the stock cut): the boundaries, each stage's precision, or both."""
+    what = []
+    if tuned.boundaries != fill.boundaries:
+        what.append("boundaries")
+    if tuned.layer_formats != fill.layer_formats:
+        what.append("each stage's precision")
+    return "+ re-balanced stages" + (f" ({' and '.join(what)})" if what else "")
+
+
 def ladder_plans(problem: PlanningProblem, base: Plan, tuned: Plan,
                  partitions: dict[int, dict[str, list[int]]] | None = None) -> list[tuple[str, Plan]]:
     """The rungs between the best stock configuration and the tuned plan, one feature at a time:
@@ -260,8 +271,8 @@ def ladder_plans(problem: PlanningProblem, base: Plan, tuned: Plan,
     the freed memory spent on fill: the tuned micro-batches and recomputation at the stock partition,
     or, where the tuned plan runs fewer pipeline stages, that degree cut the way stock DeepSpeed would
     cut it (``partitions``: degree -> method -> boundaries, the stock method's cut); then the tuned
-    partition (re-balanced for the stages' new costs); then the tuned codecs. A rung the model cannot
-    express (a format the tuned optimizer setting does not allow) is left out."""
+    partition and per-stage precision (re-balanced for the stages' new costs); then the tuned codecs.
+    A rung the model cannot express (a format the tuned optimizer setting does not allow) is left out."""
     from deepspeed_ppq.autotune.planner import Knobs, StageChoice, _to_plan, evaluate_stages
 
     low = [f for f in tuned.layer_formats if f != "none"]
@@ -296,7 +307,8 @@ def ladder_plans(problem: PlanningProblem, base: Plan, tuned: Plan,
                           "pipeline stages, micro-batches, recomputation)",
                           make("ladder: fill", tuned.pipeline_degree, tuned.micro_batch_size,
                                tuned.num_microbatches, bounds, rec_tuned, False)))
-        rungs.append(("+ re-balanced stage boundaries",
+        fill = rungs[-1][1]
+        rungs.append((_rebalance_label(fill, tuned),
                       make("ladder: re-balanced", tuned.pipeline_degree, tuned.micro_batch_size,
                            tuned.num_microbatches, tuned.boundaries, rec_tuned, False)))
     except ValueError:  # a level the optimizer setting does not allow: no intermediate rungs

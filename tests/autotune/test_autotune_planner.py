@@ -523,6 +523,28 @@ def test_ladder_spends_freed_memory_on_fewer_stages():
     assert fill.pipeline_degree == 1 and fill.boundaries == [0, 6]
     assert (fill.micro_batch_size, fill.num_microbatches) == (2, 2)
     assert rungs[-1][1] is tuned
+    # the last rung names what the tuned plan changes after the fill rung: here nothing
+    assert labels[-1] == "+ re-balanced stages (the tuned plan)"
+
+
+def test_rebalance_rung_names_what_changes():
+    """After the fill rung (one level on every stage at the stock cut), the tuned plan may move the
+    boundaries, give each stage its own precision, or both; the rung says which."""
+    import copy
+
+    from deepspeed_ppq.autotune.loop import _rebalance_label
+
+    fill = plan_pipeline(_problem(4, 6, world_size=2, global_batch=8, pipeline_degrees=[2]))
+    precision, moved = copy.deepcopy(fill), copy.deepcopy(fill)
+    precision.stages[1].formats = ["int8"] * len(precision.stages[1].formats)
+    a, b = moved.stages
+    b.layers, b.formats = (b.layers[0] - 1, b.layers[1]), [a.formats[-1], *b.formats]
+    a.layers, a.formats = (a.layers[0], a.layers[1] - 1), a.formats[:-1]
+    assert _rebalance_label(fill, fill) == "+ re-balanced stages"
+    assert _rebalance_label(fill, precision) == "+ re-balanced stages (each stage's precision)"
+    assert _rebalance_label(fill, moved) == "+ re-balanced stages (boundaries)"
+    moved.stages[1].formats = ["int8"] * len(moved.stages[1].formats)
+    assert _rebalance_label(fill, moved) == "+ re-balanced stages (boundaries and each stage's precision)"
 
 
 def test_runner_up_is_the_best_plan_of_another_schedule():
