@@ -211,7 +211,38 @@ def _markdown(w, m: dict, ladder: dict | None, rows: list[dict], budget_ref: flo
         if alone:
             md.append(f"Where no stock configuration fits ({', '.join(f'{b:g}' for b in alone)} MiB) "
                       "only the low-bit plan trains.")
+        md += why_stock_stays(rows)
     return "\n".join(md) + "\n"
+
+
+def unconstrained_lines(unconstrained: dict, rows: list[dict]) -> str:
+    """The fastest stock configuration with no budget and, per budget, the most any plan could gain
+    there by buying that configuration's schedule back: the best stock time over its time (from
+    another run, so within the trials' noise)."""
+    t = unconstrained.get("measured_step_time")
+    out = f"\nFastest stock configuration with no budget: {_plan_label(unconstrained)}"
+    if not t:
+        return out + ".\n"
+    ceil = ", ".join(f"{x['budget_mb']:g} MiB {x['stock_ms'] / (t * 1e3):.2f}x"
+                     for x in rows if "stock_ms" in x)
+    return (out + f", {t * 1e3:.0f} ms. Best stock time over it, per budget (what the compromise costs stock "
+            f"DeepSpeed there, the gain a plan that only bought its schedule back would make): {ceil}.\n")
+
+
+def why_stock_stays(rows: list[dict]) -> list[str]:
+    """For each budget where the stock configuration compromises and still stays the plan: the plans the
+    tuner tried there and why none replaced it, from its log."""
+    out = []
+    for x in rows:
+        if x.get("outcome") != "baseline" or not x.get("stock_compromises"):
+            continue
+        lines = [line for line in x.get("log", []) if line.startswith(("iteration", "runner-up"))
+                 or "the stock configuration is the plan" in line]
+        out += [f"- {x['budget_mb']:g} MiB:", *[f"    {line}" for line in lines]]
+    if out:
+        out = ["", "Where the stock configuration compromises and stays the plan, what the tuner tried "
+               "(its log):", "", *out]
+    return out
 
 
 def _plot(w, rows: list[dict], path: Path) -> None:
@@ -280,7 +311,7 @@ def main() -> int:
                 print(json.dumps(rows[-1]), flush=True)
         md = _markdown(w, m, ladder, rows, w.budget_mb, loadavg(), _other_flags(sys.argv[1:]))
         if unconstrained is not None:
-            md += f"\nFastest stock configuration with no budget: {_plan_label(unconstrained)}.\n"
+            md += unconstrained_lines(unconstrained, rows)
         stem = f"autotune_{name}" + (f"_{args.tag}" if args.tag else "")
         write_report(stem, {
             "machine": m, "workload": name,
