@@ -127,8 +127,15 @@ class DequantLinearFunction(torch.autograd.Function):
                     )
                 if g2.dtype == layer.weight_grad.dtype:
                     layer.weight_grad.addmm_(g2.t(), x2)
-                else:  # the product in the compute dtype, then one rounding into the buffer's
+                elif layer.weight_grad.dtype == torch.float32:  # a bf16 product summed in fp32
                     layer.weight_grad.add_(g2.t().mm(x2))
+                else:  # the product in the compute dtype plus the buffer, rounded once into the buffer's
+                    # dtype. The sum is made in the dequantization buffer (free once grad_x is computed):
+                    # a fresh [out, in] tensor per micro-batch, or an add_ across dtypes (which converts
+                    # through temporaries), cost more than the product itself
+                    prod = _workspace(layer.qweight.shape, g2.dtype, layer.qweight.qdata.device)
+                    torch.mm(g2.t(), x2, out=prod).add_(layer.weight_grad)
+                    layer.weight_grad.copy_(prod)
             else:
                 grad_w = g2.t().mm(x2).to(layer.weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:

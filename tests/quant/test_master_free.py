@@ -366,6 +366,27 @@ def test_a_bf16_gradient_buffer_accumulates_each_micro_batch_rounded_once():
         WeightsConfig(format="int8", grad_dtype="bf16")
 
 
+@pytest.mark.parametrize("grad_dtype", ["fp32", "bf16"])
+def test_bf16_compute_accumulates_in_the_buffer_dtype(grad_dtype):
+    """bf16 activations: each micro-batch's product is summed in the buffer's dtype (an fp32 buffer
+    keeps the exact fp32 sum of the bf16 products; a bf16 buffer takes bf16's addmm, one rounding per
+    micro-batch)."""
+    layer, _ = _mf_layer(grad_dtype=grad_dtype)
+    grads = [torch.randn(6, 45, dtype=torch.bfloat16) for _ in range(3)]
+    xs = [torch.randn(6, 70, dtype=torch.bfloat16) for _ in range(3)]
+    expect = torch.zeros(45, 70, dtype=layer.grad_dtype)
+    for g, x in zip(grads, xs):
+        layer(x).backward(g)
+        prod = g.t().mm(x).float() if grad_dtype == "fp32" else g.t().float().mm(x.float())
+        expect = (expect.float() + prod).to(layer.grad_dtype)
+    assert layer.weight_grad.dtype == layer.grad_dtype
+    if grad_dtype == "fp32":
+        assert torch.equal(layer.weight_grad, expect)
+    else:
+        err = (layer.weight_grad.float() - expect.float()).norm() / expect.float().norm()
+        assert err < 2**-8  # bf16's rounding of each sum, not the loss of a sum
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
 def test_step_is_adamw_on_the_dequantized_weight_then_sr(fmt):
     """Two AdamW steps equal the same update done by hand on the dequantized weight, then the SR op
