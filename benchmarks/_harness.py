@@ -1,15 +1,15 @@
 """The benchmarks' shared harness: machine record, timing against a baseline, results files.
 
-Small on purpose; a benchmark uses four things:
+Small on purpose; a benchmark uses these:
 
-    from benchmarks._harness import machine, time_against, x_copy, write_results   # or, run as a
-    # script from benchmarks/<concern>/: sys.path.insert(0, <repo>/benchmarks); from _harness import ...
+    from benchmarks._harness import machine, results_name, time_against, x_copy, write_results
+    # (a script in benchmarks/<concern>/: sys.path.insert(0, <repo>/benchmarks); from _harness import ...)
 
     m = machine()                                   # CPU model, ISA flags, cores, load, torch, ISA path
     t = time_against(op, lambda: dst.copy_(src), reps=11)   # alternating runs, medians and minima
     ratio = x_copy(op_bytes, t.op, copy_bytes, t.base)       # bytes/s of the op over bytes/s of the copy
-    write_results("bench_weights", rows, meta={"shape": ...}, title="...", notes=[...], machine_=m)
-                                                    # -> benchmarks/results/bench_weights.{json,md}
+    write_results(results_name("bench_weights"), rows, meta={"shape": ...}, title="...", machine_=m)
+                                                    # -> benchmarks/results/bench_weights_avx512.{json,md}
 
 * ``machine()`` returns a dict: ``cpu`` (model name), ``cpu_flags`` (the SIMD flags of
   /proc/cpuinfo), ``cores`` (os.cpu_count), ``threads`` (torch's), ``loadavg`` (1/5/15 min),
@@ -23,6 +23,9 @@ Small on purpose; a benchmark uses four things:
   (= base / op, the time ratio). ``time_once(fn, reps)`` is the same without a baseline.
 * ``x_copy(op_bytes, op_s, copy_bytes, copy_s)``: "x copy" counted honestly, the op's bytes read +
   written per second over the copy's bytes read + written per second.
+* ``results_name("bench_weights")`` is ``"bench_weights_<ISA path>"`` (``bench_weights_avx512``): a kernel
+  benchmark's results are named by the path it ran, so the records of an AVX2 and an AVX-512 machine
+  (and of a forced ``PPQ_CPU_ISA=scalar`` run) stand side by side.
 * ``write_results(name, rows, meta, title, notes, columns)`` writes ``<name>.json`` ({"machine",
   "meta", "results"}) and ``<name>.md`` (title, one machine line with the ISA path and the load,
   notes, a table of ``rows``, a list of dicts, in ``columns`` order) under benchmarks/results/.
@@ -49,6 +52,7 @@ __all__ = [
     "time_against",
     "time_once",
     "x_copy",
+    "results_name",
     "write_results",
     "write_report",
     "md_table",
@@ -194,6 +198,13 @@ def md_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     out += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
     return "\n".join(out) + "\n"
+
+
+def results_name(base: str) -> str:
+    """``<base>_<ISA path>``: the results file of a kernel benchmark, per C++ kernel path it ran."""
+    from deepspeed_ppq import ops
+
+    return f"{base}_{ops.cpu_isa()}"
 
 
 def write_results(

@@ -18,9 +18,8 @@ references ``--ref-reps``), with benchmarks/_harness.py. Columns:
              8-bit code, a different format of the same size). bnb cannot write into a reused
              buffer on CPU (``out=`` raises), so its dequantize allocates.
 Dequantize writes the input dtype (fp32 -> fp32, bf16 -> bf16).
-Results: benchmarks/results/bench_weights.{json,md}, with the machine and the C++ kernel path (ISA); a
-forced narrower path (``PPQ_CPU_ISA=scalar``) writes bench_weights_<path>.{json,md}, so the dispatch's
-value shows beside the widest path's results.
+Results: benchmarks/results/bench_weights_<ISA path>.{json,md} (``_avx512``, ``_avx2``, or a forced
+``PPQ_CPU_ISA=scalar`` run's ``_scalar``), with the machine and the C++ kernel path.
 """
 
 from __future__ import annotations
@@ -33,14 +32,12 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _harness import machine, time_against, time_once, write_results, x_copy  # noqa: E402
+from _harness import machine, results_name, time_against, time_once, write_results, x_copy  # noqa: E402
 
-from deepspeed_ppq.ops import cpu_isa, has_kernel, native_status, registered_ops, supported_cpu_isas  # noqa: E402
+from deepspeed_ppq.ops import cpu_isa, has_kernel, native_status, registered_ops  # noqa: E402
 from deepspeed_ppq.quant import ops as wops  # noqa: E402
 
 REF = registered_ops()
-HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "..", "results")
 
 
 def _bnb():
@@ -197,7 +194,7 @@ def main(argv=None) -> dict:
         "bnb_x_copy",
         "x_bnb",
     ]
-    name = "bench_weights" if cpu_isa() == supported_cpu_isas()[0] else f"bench_weights_{cpu_isa()}"
+    name = results_name("bench_weights")
     md = write_results(
         name,
         results,

@@ -11,7 +11,7 @@ Columns:
   x copy min  the same from the fastest run of each
   x ref       reference time / kernel time (reference = the op's plain-PyTorch default)
 TopK is also compared with ``torch.topk``-based selection per sample (abs, topk, gather).
-Results: benchmarks/results/bench_codecs.{json,md}, with the machine and the C++ kernel path (ISA).
+Results: benchmarks/results/bench_codecs_<ISA path>.{json,md}, with the machine and the C++ kernel path (ISA).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _harness import machine, time_against, time_once, write_results, x_copy  # noqa: E402
+from _harness import machine, results_name, time_against, time_once, write_results, x_copy  # noqa: E402
 
 from deepspeed_ppq.compress import ops  # noqa: E402
 from deepspeed_ppq.ops import has_kernel, registered_ops  # noqa: E402
@@ -186,7 +186,7 @@ def main(argv=None) -> None:
         "time, both medians of the same run; targets: encode/decode >= 0.5, TopK select >= 0.3.",
     ]
     md = write_results(
-        "bench_codecs",
+        results_name("bench_codecs"),
         rows,
         meta={"shape": [B, T, D], "reps": args.reps, "k": k},
         title="bench_codecs: stage-boundary codec kernels",

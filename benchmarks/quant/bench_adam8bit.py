@@ -10,8 +10,8 @@ fused fp32 Adam (``Adam(fused=True)``, the baseline: "x fused Adam" = step time 
 the same run, lower is faster; benchmarks/_harness.py): torch Adam (foreach and fused), bitsandbytes
 ``AdamW8bit``, ours (``AdamW8bit`` subclass). State bytes per parameter are counted from the
 optimizer's state. One thread by default (a pipeline stage often has one core); ``--threads N``
-writes bench_adam8bit_<N>t.
-Results: benchmarks/results/bench_adam8bit.{json,md}, with the machine and the C++ kernel path (ISA).
+writes bench_adam8bit_<N>t_<ISA path>.
+Results: benchmarks/results/bench_adam8bit_<ISA path>.{json,md}, with the machine and the C++ kernel path.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _harness import machine, time_against, write_results  # noqa: E402
+from _harness import machine, results_name, time_against, write_results  # noqa: E402
 
 from deepspeed_ppq.quant.adam8bit import adam8bit_step, optimizer_class  # noqa: E402
 
@@ -110,7 +110,7 @@ def main() -> None:
                 "state_bytes_per_param": _state_bytes(opt),
             }
         )
-    name = "bench_adam8bit" if args.threads == 1 else f"bench_adam8bit_{args.threads}t"
+    name = results_name("bench_adam8bit" if args.threads == 1 else f"bench_adam8bit_{args.threads}t")
     notes = [
         f"bitsandbytes {bnb.__version__}; {args.threads} thread(s). One weight of {n} values, median of "
         f"{args.reps} steps alternating with torch's fused fp32 Adam; checked against bitsandbytes' kernel "

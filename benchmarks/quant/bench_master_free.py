@@ -17,13 +17,12 @@ master path and dense fp32, measured in one run.
    before the fused op), checked equal first; and the SR quantize ops (int8, fp8 e4m3/e5m2; fp32 and
    bf16 weights) and the round-to-nearest ones against a copy of the weight (bytes read + written
    per second; target: SR >= 0.5x copy). Timing: benchmarks/_harness.py.
-Results: benchmarks/results/bench_master_free.{json,md}, with the machine, load and C++ kernel path.
+Results: benchmarks/results/bench_master_free_<ISA path>.{json,md}, with the machine, load and kernel path.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -31,7 +30,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _harness import loadavg, machine, machine_line, time_against, x_copy  # noqa: E402
+from _harness import loadavg, machine, machine_line, results_name, time_against, write_report, x_copy  # noqa: E402
 
 from deepspeed_ppq.config import WeightsConfig  # noqa: E402
 from deepspeed_ppq.models.gpt import GPT, GPTConfig, gpt_loss, layer_kinds  # noqa: E402
@@ -52,8 +51,6 @@ from deepspeed_ppq.quant.ledger import ParamSpec  # noqa: E402
 from deepspeed_ppq.quant.master_free import shared_code_maps  # noqa: E402
 from deepspeed_ppq.quant.sr_ops import weight_quantize_sr_out  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "..", "results")
 GiB = 2**30
 
 SETTINGS = [  # label, format, master, 8-bit states (master-free layers and the main optimizer)
@@ -331,13 +328,8 @@ def main() -> None:
     ]
     md = "\n".join(lines) + "\n"
     print(md)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "bench_master_free.json"), "w") as f:
-        json.dump(
-            {"machine": m, "meta": meta, "measured": mem, "projected": proj, "times": times}, f, indent=1
-        )
-    with open(os.path.join(RESULTS, "bench_master_free.md"), "w") as f:
-        f.write(md)
+    write_report(results_name("bench_master_free"),
+                 {"machine": m, "meta": meta, "measured": mem, "projected": proj, "times": times}, md)
 
 
 if __name__ == "__main__":
