@@ -8,12 +8,13 @@
 // * Narrowing 32-bit lanes to bytes truncates (keeps the low byte), like AVX-512's vpmovdb: mask to
 //   0..255, then two unsigned-saturating packs (exact on 0..255) and one cross-lane permute. A NaN
 //   converted by cvtps_epi32 (0x80000000) thus gives the byte AVX-512 and the scalar casts give.
-// Header-only and inline; only compiled into the avx2 module (isa.h).
+// Header-only and inline; compiled into the avx2 module, and into the avx512 module for the loops
+// that have no AVX-512 version (PPQ_HAS_AVX2, isa.h).
 #pragma once
 
 #include "isa.h"
 
-#if PPQ_ISA_AVX2
+#if PPQ_HAS_AVX2
 #include <immintrin.h>
 
 #include <cstdint>
@@ -151,4 +152,4 @@ PPQ_ALWAYS_INLINE inline void store16(uint16_t* o, __m256 a, __m256 b) {
 
 }  // namespace ppq::avx2
 
-#endif  // PPQ_ISA_AVX2
+#endif  // PPQ_HAS_AVX2

@@ -25,6 +25,10 @@
 //  * pack_bits: blocks of 8 values (`bits` whole bytes), the 64-bit bit writer instantiated per width
 //    so its shifts and stores are constants (0.42x -> 0.75x copy for 22-bit TopK indices; the
 //    run-time-width writer branched per value and copied each block through a buffer).
+//  * one vector path, AVX2, for the avx2 and the avx512 modules (PPQ_HAS_AVX2): these loops are bound
+//    by memory and by the TopK scan's compaction, not by the vector width (on an AVX-512 Zen 5 the
+//    avx512 module had run the scalar loops: k-bit encode 0.17-0.23x copy against 0.60-0.68x for the
+//    AVX2 ones on the same machine).
 // The exact arithmetic every implementation follows is documented in deepspeed_ppq/compress/ops.py.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -46,7 +50,7 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
-#if PPQ_ISA_AVX2
+#if PPQ_HAS_AVX2
 #include <immintrin.h>
 #endif
 
@@ -152,8 +156,8 @@ void unpack(const uint8_t* src, int64_t n, int64_t bits, uint8_t* c) {
   }
 }
 
-#if PPQ_ISA_AVX2
-// ---- AVX2 pieces (the avx2 module; the scalar loops stay for tails and other dtypes) ------------
+#if PPQ_HAS_AVX2
+// ---- AVX2 pieces (the avx2 and avx512 modules; the scalar loops stay for tails, other dtypes) ---
 // Each is the scalar loop beside it on 8 lanes, bit for bit: max_ps(t, 0) / min_ps(t, lv) select like
 // `t > 0 ? t : 0` / `t < lv ? t : lv` (NaN -> 0), min_ps(v, mn) like `v < mn ? v : mn`, fmadd is
 // std::fma, and bytes leave through avx2.h's truncating narrowing.
@@ -357,7 +361,7 @@ PPQ_ALWAYS_INLINE inline void pack32(const uint8_t* c, int64_t n32, int64_t bits
 }
 
 }  // namespace v2
-#endif  // PPQ_ISA_AVX2
+#endif  // PPQ_HAS_AVX2
 
 struct GroupStats {
   float mn, scale, inv, p, mnp;  // p: prescale (0.5 when the range overflows a float), mnp = mn * p
@@ -369,7 +373,7 @@ GroupStats minmax_stats(const T* x, int64_t n, int64_t levels) {
   float mn = INFINITY, mx = -INFINITY;
   bool nan = false;
   int64_t i0 = 0;
-#if PPQ_ISA_AVX2
+#if PPQ_HAS_AVX2
   if constexpr (std::is_same_v<T, float>) {
     if (n >= 8) {
       i0 = n & ~int64_t(7);
@@ -403,7 +407,7 @@ void encode_span(const T* x, int64_t i0, int64_t i1, int64_t d, int64_t group, i
   alignas(64) uint8_t buf[kSeg];
   for (int64_t s0 = i0; s0 < i1; s0 += kSeg) {
     int64_t s1 = std::min(i1, s0 + kSeg);
-#if PPQ_ISA_AVX2
+#if PPQ_HAS_AVX2
     if constexpr (std::is_same_v<T, float>) {  // one group over the whole segment, 4 or 2 bits: no buffer
       const int64_t r = s0 / d, c = s0 % d;
       if ((bits == 4 || bits == 2) && (s1 - s0) % 32 == 0 && s1 - r * d <= std::min(d, (c / group + 1) * group)) {
@@ -422,7 +426,7 @@ void encode_span(const T* x, int64_t i0, int64_t i1, int64_t d, int64_t group, i
       uint8_t* b = buf + (i - s0);
       const T* xp = x + i;
       int64_t j0 = 0;
-#if PPQ_ISA_AVX2
+#if PPQ_HAS_AVX2
       if constexpr (std::is_same_v<T, float>) {
         j0 = (end - i) & ~int64_t(31);
         v2::minmax_codes(xp, j0, p, mnp, inv, lv, b);
@@ -436,7 +440,7 @@ void encode_span(const T* x, int64_t i0, int64_t i1, int64_t d, int64_t group, i
       }
       i = end;
     }
-#if PPQ_ISA_AVX2
+#if PPQ_HAS_AVX2
     if (bits != 8) {
       const int64_t n32 = (s1 - s0) & ~int64_t(31);
       v2::pack32(buf, n32, bits, codes + s0 * bits / 8);
@@ -522,7 +526,7 @@ void quant_decode(const at::Tensor& codes, const at::Tensor& mins, const at::Ten
     for (int64_t ch = 0; ch < chunks; ++ch) {
       alignas(64) uint8_t buf[kSeg];
       int64_t s0 = ch * kSeg, s1 = std::min(n, s0 + kSeg);
-#if PPQ_ISA_AVX2
+#if PPQ_HAS_AVX2
       if (bits != 8) {
         const int64_t n32 = (s1 - s0) & ~int64_t(31);
         v2::unpack32(cp + s0 * bits / 8, n32, bits, buf);
@@ -542,7 +546,7 @@ void quant_decode(const at::Tensor& codes, const at::Tensor& mins, const at::Ten
         const uint8_t* b = buf + (i - s0);
         scalar_t* o = op + i;
         int64_t j0 = 0;
-#if PPQ_ISA_AVX2
+#if PPQ_HAS_AVX2
         if constexpr (v2::kVecOut<scalar_t>) {
           j0 = (end - i) & ~int64_t(7);
           v2::minmax_values(b, j0, sc, mn, o);
@@ -597,7 +601,7 @@ void fp8_encode(const at::Tensor& x, int64_t group, int64_t fmt, at::Tensor scal
       // NaN/Inf give bits >= 0x7f800000 (a NaN amax, as torch's amax, then gives scale 1 below).
       uint32_t m = 0;
       int64_t i0 = 0;
-#if PPQ_ISA_AVX2
+#if PPQ_HAS_AVX2
       if constexpr (std::is_same_v<scalar_t, float>) {
         if (n >= 16) {
           i0 = n & ~int64_t(15);
@@ -615,7 +619,7 @@ void fp8_encode(const at::Tensor& x, int64_t group, int64_t fmt, at::Tensor scal
       // captures would be reloaded after every store and the loop would stay scalar.
       const float q = fmax;
       int64_t e0 = 0;
-#if PPQ_ISA_AVX2
+#if PPQ_HAS_AVX2
       if constexpr (std::is_same_v<scalar_t, float>) {
         e0 = n & ~int64_t(31);
         const __m256 vinv = _mm256_set1_ps(inv);
@@ -663,7 +667,7 @@ void fp8_decode(const at::Tensor& codes, const at::Tensor& scales, int64_t group
       scalar_t* o = op + r * d + c0;
       const float s = sp[g];
       int64_t i0 = 0;
-#if PPQ_ISA_AVX2
+#if PPQ_HAS_AVX2
       if constexpr (v2::kVecOut<scalar_t>) {
         i0 = n & ~int64_t(7);
         const __m256 vs = _mm256_set1_ps(s);
@@ -699,7 +703,7 @@ inline std::vector<uint32_t>& topk_scratch_bits() {  // the candidates' value bi
   return v;
 }
 
-#if PPQ_ISA_AVX2
+#if PPQ_HAS_AVX2
 // Indices and value bits of every x[i] (i < L) whose key |x| bits are >= lo, in ascending order, into
 // c32/cv (capacity L + 8); returns their count. 8 keys at a time: compare, then left-pack the passing
 // lanes with one permute (a table of the 256 masks' permutations) and advance by their count: no
@@ -841,7 +845,7 @@ inline int topk_row_sampled(const float* x, int64_t L, int64_t k, int64_t* idx, 
 template <typename T>
 bool topk_row(const T* x, int64_t L, int64_t k, int64_t* idx, T* vals, std::vector<uint32_t>& hist,
               std::vector<int64_t>& cand) {
-#if PPQ_ISA_AVX2
+#if PPQ_HAS_AVX2
   if constexpr (std::is_same_v<T, float>) {
     if (L >= (int64_t(1) << 16) && L < (int64_t(1) << 31) - 16) {
       const int r = topk_row_sampled(x, L, k, idx, vals, hist);
@@ -868,7 +872,7 @@ bool topk_row(const T* x, int64_t L, int64_t k, int64_t* idx, T* vals, std::vect
   cand.clear();
   const uint32_t lo = uint32_t(tb) << 15;
   int64_t i2 = 0;
-#if PPQ_ISA_AVX2
+#if PPQ_HAS_AVX2
   if constexpr (std::is_same_v<T, float>) if (L < (int64_t(1) << 31) - 16) {
     std::vector<int32_t>& c32 = topk_scratch();
     std::vector<uint32_t>& cv = topk_scratch_bits();

@@ -5,7 +5,8 @@
 // one module the CPU runs (deepspeed_ppq/ops/__init__.py). A kernel file picks its fast path with
 // `#if PPQ_ISA_AVX512` / `#elif PPQ_ISA_AVX2` and keeps a scalar path for the rest, so the scalar
 // module holds no AVX instruction at all (the compiler flags forbid them) and the AVX2 module no
-// AVX-512 one. PPQ_ISA comes from setup.py; a build without it (PPQ_MARCH, a hand-made build) takes
+// AVX-512 one. A loop that has an AVX2 version and no AVX-512 one is guarded by `#if PPQ_HAS_AVX2`
+// (true in the avx2 and the avx512 modules): an AVX-512 CPU runs it rather than the scalar loop. PPQ_ISA comes from setup.py; a build without it (PPQ_MARCH, a hand-made build) takes
 // the widest path the compiler flags allow.
 #pragma once
 
@@ -41,6 +42,7 @@
 #endif
 #define PPQ_ISA_AVX512 1
 #define PPQ_ISA_AVX2 0
+#define PPQ_HAS_AVX2 1
 #define PPQ_ISA_NAME "avx512"
 #elif PPQ_ISA == PPQ_ISA_AVX2_ID
 #if !PPQ_HAVE_AVX2_FLAGS
@@ -51,6 +53,7 @@
 #endif
 #define PPQ_ISA_AVX512 0
 #define PPQ_ISA_AVX2 1
+#define PPQ_HAS_AVX2 1
 #define PPQ_ISA_NAME "avx2"
 #elif PPQ_ISA == PPQ_ISA_SCALAR_ID
 #if defined(__AVX__) && !defined(PPQ_MARCH_BUILD)
@@ -58,6 +61,7 @@
 #endif
 #define PPQ_ISA_AVX512 0
 #define PPQ_ISA_AVX2 0
+#define PPQ_HAS_AVX2 0
 #define PPQ_ISA_NAME "scalar"
 #else
 #error "PPQ_ISA must be 1 (scalar), 2 (avx2) or 3 (avx512)"

@@ -62,7 +62,7 @@ void check(const at::Tensor& t, const char* name, at::ScalarType dt, int64_t n) 
 template <Fmt F>
 inline void dequantize_block(const uint8_t* __restrict c, float s, float* __restrict w, int64_t len) {
   int64_t j = 0;
-#if PPQ_ISA_AVX2
+#if PPQ_HAS_AVX2  // the avx512 module too: no AVX-512 version of this loop
   const __m256 vs = _mm256_set1_ps(s);
   for (; j + 8 <= len; j += 8) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + j));
