@@ -63,20 +63,34 @@ inline uint8_t sr_fp8(float y, float a, float u, int top) {
 }
 
 #if PPQ_ISA_AVX512
-// sr_fp8 for 16 values: y clamped to [-Q, Q], a = |y|, u uniforms.
+// sr_fp8 for 16 values, codes in the low byte of each 32-bit lane: sr_fp8_8's neighbours by the mantissa
+// cut (see below), with mask registers for the selects.
 template <bool E4M3>
-inline __m128i sr_fp8_16(__m512 y, __m512 a, __m512 u) {
-  using ppq::avx512::fp8_rne16;
-  using ppq::avx512::fp8_value16;
-  const __m512i top = _mm512_set1_epi32(formats::max_code(E4M3 ? Fmt::E4M3 : Fmt::E5M2)), one = _mm512_set1_epi32(1);
-  const __m512i c = fp8_rne16<E4M3>(a);
-  const __m512i lo_c = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(fp8_value16<E4M3>(c), a, _CMP_GT_OQ), c, one);
-  const __m512i hi_c = _mm512_min_epi32(_mm512_add_epi32(lo_c, one), top);
-  const __m512 lo = fp8_value16<E4M3>(lo_c), hi = fp8_value16<E4M3>(hi_c);
-  const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, _mm512_sub_ps(hi, lo)), _mm512_sub_ps(a, lo), _CMP_LT_OQ);
-  __m512i q = _mm512_mask_blend_epi32(up, lo_c, hi_c);
-  q = _mm512_mask_or_epi32(q, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ), q, _mm512_set1_epi32(0x80));
-  return _mm512_cvtepi32_epi8(q);
+PPQ_ALWAYS_INLINE inline __m512i sr_fp8_16(__m512 y, __m512 a, __m512 u) {
+  constexpr int M = E4M3 ? 3 : 2, bias = E4M3 ? 7 : 15;  // emin = 1 - bias: -6, -14
+  const __m512i bits = _mm512_castps_si512(a);
+  const __m512i code_n = _mm512_sub_epi32(_mm512_srli_epi32(bits, 23 - M), _mm512_set1_epi32((127 - bias) << M));
+  const __m512 lo_n = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(~((1 << (23 - M)) - 1))));
+  const __m512 step_n = _mm512_castsi512_ps(
+      _mm512_sub_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7f800000)), _mm512_set1_epi32(M << 23)));
+  const __m512 step_s = _mm512_set1_ps(E4M3 ? 0x1p-9f : 0x1p-16f);  // 2^(emin - M)
+  const __m512i code_s = _mm512_cvttps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(E4M3 ? 0x1p9f : 0x1p16f)));
+  const __m512 lo_s = _mm512_mul_ps(_mm512_cvtepi32_ps(code_s), step_s);
+  const __mmask16 sub = _mm512_cmp_ps_mask(a, _mm512_set1_ps(E4M3 ? 0x1p-6f : 0x1p-14f), _CMP_LT_OQ);
+  const __m512i code = _mm512_mask_blend_epi32(sub, code_n, code_s);
+  const __m512 lo = _mm512_mask_blend_ps(sub, lo_n, lo_s), step = _mm512_mask_blend_ps(sub, step_n, step_s);
+  const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, step), _mm512_sub_ps(a, lo), _CMP_LT_OQ);
+  const __m512i q = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
+  const __mmask16 neg = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ);
+  return _mm512_mask_or_epi32(q, neg, q, _mm512_set1_epi32(0x80));
+}
+
+PPQ_ALWAYS_INLINE inline __m512i hash16(__m512i x) {  // hash32 on 16 lanes
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int32_t(0x7feb352du)));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int32_t(0x846ca68bu)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 #endif
 
@@ -86,8 +100,7 @@ inline __m128i sr_fp8_16(__m512 y, __m512 a, __m512 u) {
 // to M bits (a >= 2^emin; its code is the cut bits re-biased, the grid step above it 2^(exponent - M)), or
 // floor(a / s) s with s = 2^(emin - M) below 2^emin; hi - lo is that step. So u * (hi - lo) < a - lo
 // (exact: a power of two times u, and a cut of a) is sr_fp8's test; at a = Q, a - lo = 0 never rounds
-// up, as sr_fp8's hi = lo at the top code. About half the operations of sr_fp8's code search (which the
-// AVX-512 path still does).
+// up, as sr_fp8's hi = lo at the top code. About half the operations of sr_fp8's code search.
 template <bool E4M3>
 PPQ_ALWAYS_INLINE inline __m256i sr_fp8_8(__m256 y, __m256 a, __m256 u) {
   constexpr int M = E4M3 ? 3 : 2, bias = E4M3 ? 7 : 15;  // emin = 1 - bias: -6, -14
@@ -220,8 +233,8 @@ __attribute__((noinline)) void encode_buffered(const void* x, int64_t len, float
       const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-q), hi = _mm512_set1_ps(q);
       for (; j + 16 <= len; j += 16) {
         const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(xf + j), vinv), lo), hi);
-        const __m128i c = sr_fp8_16<F == Fmt::E4M3>(y, _mm512_abs_ps(y), _mm512_loadu_ps(u + j));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j), c);
+        const __m512i c = sr_fp8_16<F == Fmt::E4M3>(y, _mm512_abs_ps(y), _mm512_loadu_ps(u + j));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j), _mm512_cvtepi32_epi8(c));
       }
     }
 #endif
@@ -294,6 +307,59 @@ PPQ_ALWAYS_INLINE inline int64_t encode_fused_avx2(const void* x, int64_t len, c
 }
 #endif
 
+#if PPQ_ISA_AVX512
+// encode_fused_avx2 on 16 lanes, two chains per iteration (32 values): the counters' hash, the uniforms and
+// the codes in registers, fp32 or bf16 read straight, each chain's inverse scale inv[j >> lg] (2^lg >= 16).
+// Handles the first multiple of 16 values and returns how many; encode_buffered() does the rest.
+template <Fmt F, bool BF16, bool CARRY, bool PREFETCH>
+PPQ_ALWAYS_INLINE inline int64_t encode_fused_avx512(const void* x, int64_t len, const float* inv, int lg, uint64_t c0,
+                                                     uint32_t key, uint8_t* codes) {
+  using T = std::conditional_t<BF16, uint16_t, float>;
+  const int64_t n16 = len & ~int64_t(15);
+  const uint32_t bhi = uint32_t(c0 >> 32);
+  const __m512i vblo = _mm512_set1_epi32(int32_t(uint32_t(c0)));
+  const __m512i k0 = _mm512_set1_epi32(int32_t(hash32(key ^ bhi))), k1 = _mm512_set1_epi32(int32_t(hash32(key ^ (bhi + 1u))));
+  auto uniforms16 = [&](__m512i lo) PPQ_ALWAYS_INLINE {  // lo: the 16 counters' low words
+    __m512i k = k0;
+    if constexpr (CARRY) k = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(lo, vblo), k0, k1);  // wrapped
+    const __m512i r = hash16(_mm512_xor_si512(lo, k));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)), _mm512_set1_ps(5.9604644775390625e-08f));
+  };
+  const T* xp = static_cast<const T*>(x);
+  const float q = qmax(F);
+  const __m512 neg_q = _mm512_set1_ps(-q), pos_q = _mm512_set1_ps(q);
+  auto code16 = [&](int64_t i, __m512i ctr) PPQ_ALWAYS_INLINE {
+    if constexpr (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(xp + kRun + i), _MM_HINT_T0);
+    const __m512 z = _mm512_mul_ps(ppq::avx512::load16(xp + i), _mm512_set1_ps(inv[i >> lg]));
+    const __m512 u = uniforms16(ctr);
+    if constexpr (F == Fmt::I8) {  // encode_int8's lanes
+      const __m512 a = _mm512_min_ps(_mm512_abs_ps(z), pos_q);  // |clamp(z, -q, q)| (z is finite or +-inf)
+      const __m512i l = _mm512_cvttps_epi32(a);
+      const __m512 frac = _mm512_sub_ps(a, _mm512_cvtepi32_ps(l));
+      const __m512i k = _mm512_mask_add_epi32(l, _mm512_cmp_ps_mask(u, frac, _CMP_LT_OQ), l, _mm512_set1_epi32(1));
+      // sign bit set: -k (k = 0 when z = -0.0)
+      return _mm512_mask_sub_epi32(k, _mm512_movepi32_mask(_mm512_castps_si512(z)), _mm512_setzero_si512(), k);
+    } else {
+      const __m512 y = _mm512_min_ps(_mm512_max_ps(z, neg_q), pos_q);
+      return sr_fp8_16<F == Fmt::E4M3>(y, _mm512_abs_ps(y), u);
+    }
+  };
+  // the counters' low words run in a register: blo + j + lane
+  __m512i ctr = _mm512_add_epi32(vblo, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  int64_t j = 0;
+  for (; j + 32 <= n16; j += 32) {
+    const __m512i next = _mm512_add_epi32(ctr, sixteen);
+    const __m512i a = code16(j, ctr), b = code16(j + 16, next);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j), _mm512_cvtepi32_epi8(a));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j + 16), _mm512_cvtepi32_epi8(b));
+    ctr = _mm512_add_epi32(next, sixteen);
+  }
+  if (j < n16) _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j), _mm512_cvtepi32_epi8(code16(j, ctr)));
+  return n16;
+}
+#endif
+
 // Codes of one block x[0 .. len) with inverse scale inv (finite: the block had no NaN/Inf).
 template <Fmt F, bool BF16>
 inline void encode_t(const void* x, int64_t len, float inv, bool finite, uint64_t c0, uint32_t key, uint8_t* codes) {
@@ -302,11 +368,16 @@ inline void encode_t(const void* x, int64_t len, float inv, bool finite, uint64_
     return;
   }
   int64_t done = 0;
-#if PPQ_ISA_AVX2
+#if PPQ_ISA_AVX512 || PPQ_ISA_AVX2
   const bool carry = static_cast<uint64_t>(static_cast<uint32_t>(c0)) + static_cast<uint64_t>(len) > 0xffffffffull;
   constexpr int lg = 62;  // j >> 62 is 0 for every j: inv alone, for the whole block
+#if PPQ_ISA_AVX512
+  done = carry ? encode_fused_avx512<F, BF16, true, false>(x, len, &inv, lg, c0, key, codes)
+               : encode_fused_avx512<F, BF16, false, false>(x, len, &inv, lg, c0, key, codes);
+#else
   done = carry ? encode_fused_avx2<F, BF16, true, false>(x, len, &inv, lg, c0, key, codes)
                : encode_fused_avx2<F, BF16, false, false>(x, len, &inv, lg, c0, key, codes);
+#endif
 #endif
   if (done < len) {
     using T = std::conditional_t<BF16, uint16_t, float>;
@@ -336,7 +407,7 @@ inline void encode(Fmt f, const void* x, int64_t len, float s, uint64_t c0, uint
 // scale (stored into s[0 .. ceil(len / B))): every block's absmax and scale first, then the codes. Apart,
 // the scales are short independent chains (a reduction, two divisions) the core runs side by side; inside
 // each block's encode they had stood between two blocks' loops (a third of the time at B = 64). With
-// AVX2 and every block finite, the codes are one loop over the run (encode_fused_avx2).
+// AVX2 or AVX-512 and every block finite, the codes are one loop over the run (encode_fused_avx2 / _avx512).
 template <Fmt F, bool BF16, bool PREFETCH>
 inline void quantize_blocks_t(const void* x, int64_t len, int64_t B, bool scale_bf16, uint64_t c0, uint32_t key,
                               uint8_t* codes, float* s) {
@@ -352,12 +423,17 @@ inline void quantize_blocks_t(const void* x, int64_t len, int64_t B, bool scale_
     inv[b] = inverse_scale(s[b]);
     finite = finite && !bad;
   }
-#if PPQ_ISA_AVX2
+#if PPQ_ISA_AVX512 || PPQ_ISA_AVX2
   if (finite) {
     const int lg = std::countr_zero(static_cast<uint64_t>(B));
     const bool carry = static_cast<uint64_t>(static_cast<uint32_t>(c0)) + static_cast<uint64_t>(len) > 0xffffffffull;
+#if PPQ_ISA_AVX512
+    const int64_t done = carry ? encode_fused_avx512<F, BF16, true, PREFETCH>(xp, len, inv, lg, c0, key, codes)
+                               : encode_fused_avx512<F, BF16, false, PREFETCH>(xp, len, inv, lg, c0, key, codes);
+#else
     const int64_t done = carry ? encode_fused_avx2<F, BF16, true, PREFETCH>(xp, len, inv, lg, c0, key, codes)
                                : encode_fused_avx2<F, BF16, false, PREFETCH>(xp, len, inv, lg, c0, key, codes);
+#endif
     if (done < len)  // fewer than 16 values, inside the last block
       encode_buffered<F, BF16>(xp + done, len - done, inv[done >> lg], c0 + static_cast<uint64_t>(done), key, codes + done);
     return;
