@@ -14,18 +14,20 @@
 //   64-bit counter is a run base plus a carry, so its high word's hash is one of two values per run.
 // * With AVX-512 the absmax and the encodes run 16 values at a time in explicit loops, with AVX2 8 at a
 //   time (isa.h picks per module; the scalar loops stay for block tails and the scalar module). GCC had
-//   left them scalar, with a branch on the random sign: ~7 ns per value for int8 and ~20 for fp8. The
-//   AVX2 path makes the random numbers in-register beside the codes (weights_sr.h). The absmax, the fp8
+//   left them scalar, with a branch on the random sign: ~7 ns per value for int8 and ~20 for fp8. Both
+//   vector paths make the random numbers in-register beside the codes (weights_sr.h's encode_fused_avx2 /
+//   encode_fused_avx512). The absmax, the fp8
 //   round-to-nearest-even code and the neighbours' values come from avx512.h / avx2.h, shared with
 //   weights.cpp; tests/quant/test_master_free.py holds every path to the reference bit for bit.
 // * The work on a run (scales, codes) lives in weights_sr.h with a run-local interface (the run's first
 //   value, code and random counter), so master_free.cpp runs it on values it has just updated in a
 //   stack buffer (there without the prefetch).
-// * fp8 neighbours (scalar and AVX-512) come from the round-to-nearest-even code (c10's own fp32 -> fp8
-//   recipe, the one torch's cast uses, in its branch-free form shared through fp8.h) and the code one
-//   below or above it: fp8 codes of one sign order like their magnitudes. AVX2 cuts the value's mantissa
-//   to the format's bits instead (the same neighbours, half the operations: weights_sr.h's sr_fp8_8);
-//   tests/quant/test_master_free.py runs every fp8 value and its neighbours through both.
+// * fp8 neighbours (scalar) come from the round-to-nearest-even code (c10's own fp32 -> fp8 recipe, the
+//   one torch's cast uses, in its branch-free form shared through fp8.h) and the code one below or above
+//   it: fp8 codes of one sign order like their magnitudes. The AVX2 and AVX-512 paths cut the value's
+//   mantissa to the format's bits instead (the same neighbours, half the operations: weights_sr.h's
+//   sr_fp8_8 / sr_fp8_16); tests/quant/test_master_free.py runs every fp8 value and its neighbours
+//   through each path.
 // * A block holding NaN/Inf gets a NaN scale and zero codes; the Python front end raises.
 // * Kept apart from weights.cpp (another concern's file); the scalar helpers repeat on purpose, the
 //   vector ones are shared through avx512.h / avx2.h.
