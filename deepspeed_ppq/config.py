@@ -348,7 +348,9 @@ class AutotuneConfig(_Model):
         "exactly stock_trials)")
     ab_repeats: int = Field(
         2, ge=0, description="alternating baseline/plan runs after acceptance; the speedup is the ratio of "
-        "their medians (0: the first measurements, taken at different times)")
+        "their medians (0: the first measurements, taken at different times). The stock configurations "
+        "measured within stock_margin of the fastest are timed as many more times, alternating, before the "
+        "fastest median becomes the baseline")
     ladder: bool = Field(
         False, description="after acceptance, measure the rungs from the stock configuration to the plan "
         "one feature at a time (low-bit weights, fill, re-balanced boundaries, codecs)")

@@ -568,3 +568,40 @@ def test_runner_up_is_the_best_plan_of_another_schedule():
         except InfeasibleBudgetError:
             continue
         assert alt.predicted_step_time <= sub.predicted_step_time + 1e-12
+
+
+def test_stock_final_picks_the_lowest_median_not_a_lucky_trial():
+    """The stock configurations whose first trial came within ``stock_margin`` of the fastest are timed
+    ``ab_repeats`` more times, alternating, and the lowest median is the baseline: one lucky first trial
+    does not make a configuration the baseline; one outside the margin is not re-timed."""
+    from types import SimpleNamespace
+
+    from deepspeed_ppq.autotune.loop import _stock_final
+    from deepspeed_ppq.config import AutotuneConfig
+
+    prob = _problem(4, 8, world_size=2, global_batch=8, pipeline_degrees=[2])
+    plans = {n: dataclasses.replace(baseline_plan(prob), notes=[n]) for n in ("lucky", "steady", "slow")}
+    later = {"lucky": [0.130, 0.125], "steady": [0.110, 0.112], "slow": [0.090, 0.090]}
+    calls = []
+
+    class Runner:
+        def run_trial(self, plan, settings, seed=0, steps=None, timing_only=False):
+            assert timing_only
+            name = plan.notes[0]
+            calls.append(name)
+            return SimpleNamespace(step_time=later[name][sum(c == name for c in calls) - 1])
+
+    fits = [{"plan": plans[n].to_dict(), "run": {"measured_step_time": t}}
+            for n, t in (("lucky", 0.100), ("steady", 0.108), ("slow", 0.140))]
+    log = []
+    settings = AutotuneConfig(stock_margin=0.15, ab_repeats=2)
+    best = _stock_final(Runner(), settings, fits, log.append)
+    assert best["plan"]["notes"] == ["steady"]
+    assert calls == ["lucky", "steady", "lucky", "steady"]  # alternating; "slow" (40% over) not re-timed
+    assert best["final_step_times"] == [0.108, 0.110, 0.112]
+    assert log and log[0].startswith("stock final: the 2 configurations within 15% of the fastest")
+    # without repeats, the fastest first trial stands
+    calls.clear()
+    best = _stock_final(Runner(), AutotuneConfig(ab_repeats=0), fits, log.append)
+    assert best["plan"]["notes"] == ["lucky"]
+    assert not calls
