@@ -24,7 +24,13 @@
 //    shared with the weight kernels (fp8.h), so both loops vectorise; decode reads a 256-entry table.
 //  * pack_bits: blocks of 8 values (`bits` whole bytes), the 64-bit bit writer instantiated per width
 //    so its shifts and stores are constants (0.42x -> 0.75x copy for 22-bit TopK indices; the
-//    run-time-width writer branched per value and copied each block through a buffer).
+//    run-time-width writer branched per value and copied each block through a buffer); unpack_bits the
+//    same way, one 64-bit read per value (0.46x -> 0.78x on a Zen 5: the run-time-width loop had also
+//    zeroed a 64-byte pad buffer per block);
+//  * TopK's candidate arrays are thread-local scratch, used through raw pointers: through the vectors,
+//    each candidate's read beside a push_back reloaded the vector by a __tls_get_addr call (a quarter of
+//    the select's time, as profiled with perf); the candidates' histogram spans only their bins (from
+//    the threshold bin to the largest key's), two interleaved copies in L1. Zen 5: 0.25x -> 0.32x copy.
 //  * one vector path, AVX2, for the avx2 and the avx512 modules (PPQ_HAS_AVX2): these loops are bound
 //    by memory and by the TopK scan's compaction, not by the vector width (on an AVX-512 Zen 5 the
 //    avx512 module had run the scalar loops: k-bit encode 0.17-0.23x copy against 0.60-0.68x for the
@@ -705,9 +711,10 @@ inline std::vector<uint32_t>& topk_scratch_bits() {  // the candidates' value bi
 
 #if PPQ_HAS_AVX2
 // Indices and value bits of every x[i] (i < L) whose key |x| bits are >= lo, in ascending order, into
-// c32/cv (capacity L + 8); returns their count. 8 keys at a time: compare, then left-pack the passing
-// lanes with one permute (a table of the 256 masks' permutations) and advance by their count: no
-// branch per element (a scalar loop mispredicts on ~10% random hits). *maxkey: the largest key seen.
+// c32/cv (capacity L + 16); returns their count. 8 keys at a time (AVX2): compare, then left-pack the
+// passing lanes with one permute (a table of the 256 masks' permutations) and advance by their count: no
+// branch per element (a scalar loop mispredicts on ~10% random hits); AVX-512: 16 at a time, the
+// left-pack by vpcompressd. *maxkey: the largest key seen.
 inline int64_t compact_ge(const float* x, int64_t L, uint32_t lo, int32_t* c32, uint32_t* cv, uint32_t* maxkey) {
   static const auto kPack = [] {
     std::array<uint32_t, 256 * 8> t{};
@@ -719,6 +726,31 @@ inline int64_t compact_ge(const float* x, int64_t L, uint32_t lo, int32_t* c32, 
     return t;
   }();
   int64_t nc = 0, i = 0;
+#if PPQ_ISA_AVX512
+  {
+    const __m512i vlo = _mm512_set1_epi32(int32_t(lo) - 1), mask = _mm512_set1_epi32(0x7fffffff);
+    __m512i vi = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), vmax = _mm512_setzero_si512();
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    for (; i + 16 <= L; i += 16) {
+      const __m512i raw = _mm512_loadu_si512(x + i);
+      const __m512i key = _mm512_and_si512(raw, mask);
+      vmax = _mm512_max_epu32(vmax, key);
+      const __mmask16 mk = _mm512_cmpgt_epi32_mask(key, vlo);  // key >= lo (< 2^31)
+      _mm512_storeu_si512(c32 + nc, _mm512_maskz_compress_epi32(mk, vi));
+      _mm512_storeu_si512(cv + nc, _mm512_maskz_compress_epi32(mk, raw));
+      nc += __builtin_popcount(unsigned(mk));
+      vi = _mm512_add_epi32(vi, sixteen);
+    }
+    uint32_t m = _mm512_reduce_max_epu32(vmax);
+    for (; i < L; ++i) {
+      const uint32_t raw = fp8::bits(x[i]), key = raw & 0x7fffffffu;
+      m = std::max(m, key);
+      if (key >= lo) c32[nc] = int32_t(i), cv[nc++] = raw;
+    }
+    *maxkey = m;
+    return nc;
+  }
+#endif
   const __m256i vlo = _mm256_set1_epi32(int32_t(lo) - 1), mask = _mm256_set1_epi32(0x7fffffff);
   __m256i vi = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), vmax = _mm256_setzero_si256();
   const __m256i eight = _mm256_set1_epi32(8);
@@ -767,26 +799,51 @@ inline int topk_row_sampled(const float* x, int64_t L, int64_t k, int64_t* idx, 
     above += h[tb];
     if (above >= want) break;
   }
-  std::vector<int32_t>& c32 = topk_scratch();
-  std::vector<uint32_t>& cv = topk_scratch_bits();
-  c32.resize(size_t(L) + 8);
-  cv.resize(size_t(L) + 8);
+  std::vector<int32_t>& c32v = topk_scratch();
+  std::vector<uint32_t>& cvv = topk_scratch_bits();
+  c32v.resize(size_t(L) + 16);
+  cvv.resize(size_t(L) + 16);
+  // raw pointers: through the thread-local vectors, every cv[j] beside a push_back reloaded the vector
+  // by a __tls_get_addr call (a quarter of the TopK's time, as profiled)
+  int32_t* const c32 = c32v.data();
+  uint32_t* const cv = cvv.data();
   uint32_t maxkey = 0;
-  const int64_t nc = compact_ge(x, L, uint32_t(tb) << 15, c32.data(), cv.data(), &maxkey);
+  const int64_t nc = compact_ge(x, L, uint32_t(tb) << 15, c32, cv, &maxkey);
   if (nc < k) return -1;
-  // exact selection among the candidates: histogram of their keys, the threshold bin, its k-th key
-  std::fill(hist.begin(), hist.end(), 0u);
-  for (int64_t j = 0; j < nc; ++j) h[(cv[j] & 0x7fffffffu) >> 15]++;
-  int64_t above2 = 0, tb2 = 65535;
-  for (; tb2 >= 0; --tb2) {
-    if (above2 + h[tb2] >= k) break;
-    above2 += h[tb2];
+  // exact selection among the candidates: histogram of their keys, the threshold bin, its k-th key. The
+  // candidates' bins run from tb to maxkey's, a few hundred: two interleaved histograms of that span
+  // stay in L1 and halve the chains of increments to one bin.
+  const int64_t span = int64_t(std::min<uint32_t>(maxkey, 0x7fffffffu) >> 15) - tb + 1;
+  if (hist.size() < size_t(2 * span)) hist.resize(size_t(2 * span));  // NaN/Inf: span up to 65536 bins
+  h = hist.data();
+  std::fill(hist.begin(), hist.begin() + 2 * span, 0u);
+  {
+    uint32_t* h0 = h - tb;
+    uint32_t* h1 = h + span - tb;
+    int64_t j = 0;
+    for (; j + 2 <= nc; j += 2) {
+      h0[(cv[j] & 0x7fffffffu) >> 15]++;
+      h1[(cv[j + 1] & 0x7fffffffu) >> 15]++;
+    }
+    if (j < nc) h0[(cv[j] & 0x7fffffffu) >> 15]++;
   }
-  std::vector<uint32_t> keys;
-  keys.reserve(h[tb2]);
-  for (int64_t j = 0; j < nc; ++j) {
-    const uint32_t key = cv[j] & 0x7fffffffu;
-    if ((key >> 15) == uint32_t(tb2)) keys.push_back(key);
+  int64_t above2 = 0, tb2 = tb + span - 1;  // a bin index; its count is h[b - tb] + h[span + b - tb]
+  auto count = [&](int64_t b) { return int64_t(h[b - tb]) + int64_t(h[span + b - tb]); };
+  for (; tb2 > tb; --tb2) {
+    if (above2 + count(tb2) >= k) break;
+    above2 += count(tb2);
+  }
+  // the threshold bin's keys, branch-free (one store per candidate, the count advanced on a hit)
+  std::vector<uint32_t> keys(size_t(count(tb2)) + 1);
+  {
+    uint32_t* kp = keys.data();
+    int64_t n = 0;
+    for (int64_t j = 0; j < nc; ++j) {
+      const uint32_t key = cv[j] & 0x7fffffffu;
+      kp[n] = key;
+      n += (key >> 15) == uint32_t(tb2);
+    }
+    keys.resize(size_t(n));
   }
   const int64_t need = k - above2;
   std::nth_element(keys.begin(), keys.begin() + (need - 1), keys.end(), std::greater<uint32_t>());
@@ -808,10 +865,10 @@ inline int topk_row_sampled(const float* x, int64_t L, int64_t k, int64_t* idx, 
     }();
     const __m256i vt = _mm256_set1_epi32(int32_t(T_) - 1), mask = _mm256_set1_epi32(0x7fffffff);
     for (; j + 8 <= nc && o + 8 <= k; j += 8) {  // stores of 8 stay inside the k outputs
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cv.data() + j));
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cv + j));
       const int mk = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_and_si256(raw, mask), vt)));
       const __m256i perm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kPack.data() + mk * 8));
-      const __m256i ix = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c32.data() + j)), perm);
+      const __m256i ix = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c32 + j)), perm);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(vals + o), _mm256_permutevar8x32_epi32(raw, perm));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + o), _mm256_cvtepi32_epi64(_mm256_castsi256_si128(ix)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + o + 4), _mm256_cvtepi32_epi64(_mm256_extracti128_si256(ix, 1)));
@@ -874,12 +931,14 @@ bool topk_row(const T* x, int64_t L, int64_t k, int64_t* idx, T* vals, std::vect
   int64_t i2 = 0;
 #if PPQ_HAS_AVX2
   if constexpr (std::is_same_v<T, float>) if (L < (int64_t(1) << 31) - 16) {
-    std::vector<int32_t>& c32 = topk_scratch();
-    std::vector<uint32_t>& cv = topk_scratch_bits();
-    c32.resize(size_t(L) + 8);
-    cv.resize(size_t(L) + 8);
+    std::vector<int32_t>& c32v = topk_scratch();
+    std::vector<uint32_t>& cvv = topk_scratch_bits();
+    c32v.resize(size_t(L) + 16);
+    cvv.resize(size_t(L) + 16);
+    int32_t* const c32 = c32v.data();  // raw pointers, as in topk_row_sampled
+    uint32_t* const cv = cvv.data();
     uint32_t maxkey = 0;
-    const int64_t nc = compact_ge(x, L, lo, c32.data(), cv.data(), &maxkey);
+    const int64_t nc = compact_ge(x, L, lo, c32, cv, &maxkey);
     // The rest runs on the compact candidate arrays (index, value bits) instead of re-reading x.
     std::vector<uint32_t> keys;
     keys.reserve(h[tb]);
@@ -1056,6 +1115,32 @@ void pack_bits(const at::Tensor& idx, int64_t bits, at::Tensor out) {
   if (w < nbytes) op[w++] = acc & 255;
 }
 
+// The 8 values of whole blocks from their `B` bytes each, every shift and offset a compile-time constant
+// (pack_blocks' counterpart): value j is one unaligned 64-bit read at byte j * B / 8, shifted by
+// (j * B) % 8 and masked. The reads run up to 7 bytes past a block, so the caller leaves the blocks at the
+// stream's end to the generic loop.
+template <int B>
+void unpack_blocks(const uint8_t* src, int64_t blocks, int64_t* op) {
+  constexpr uint64_t mask = (uint64_t(1) << B) - 1;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* s = src + B * blk;
+    int64_t* o = op + 8 * blk;
+    [&]<int... J>(std::integer_sequence<int, J...>) PPQ_ALWAYS_INLINE {
+      ((o[J] = [&] {
+         uint64_t cur;
+         std::memcpy(&cur, s + (J * B) / 8, 8);
+         return int64_t((cur >> ((J * B) % 8)) & mask);
+       }()), ...);
+    }(std::make_integer_sequence<int, 8>{});
+  }
+}
+using UnpackBlocksFn = void (*)(const uint8_t*, int64_t, int64_t*);
+template <int... B>
+constexpr std::array<UnpackBlocksFn, sizeof...(B)> unpack_blocks_table(std::integer_sequence<int, B...>) {
+  return {&unpack_blocks<B + 1>...};
+}
+constexpr auto kUnpackBlocks = unpack_blocks_table(std::make_integer_sequence<int, 56>{});  // bits 1..56
+
 void unpack_bits(const at::Tensor& packed, int64_t bits, at::Tensor out) {
   TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous(), "out must be contiguous int64");
   TORCH_CHECK(bits >= 1 && bits <= 56, "bits must be in [1, 56], got ", bits);
@@ -1065,21 +1150,22 @@ void unpack_bits(const at::Tensor& packed, int64_t bits, at::Tensor out) {
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t blocks = (n + 7) / 8, total = packed_nbytes(n, bits);
   const uint64_t mask = (uint64_t(1) << bits) - 1;
+  // whole blocks whose 64-bit reads stay inside the stream: (blk + 1) * bits + 8 <= total
+  const int64_t fast = std::clamp<int64_t>((total - 8) / bits - 1, 0, n / 8);
+  const UnpackBlocksFn fn = kUnpackBlocks[bits - 1];
+  constexpr int64_t kChunk = 4096;  // blocks per task
 #pragma omp parallel for schedule(static)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
+  for (int64_t b0 = 0; b0 < fast; b0 += kChunk) fn(pp + bits * b0, std::min(kChunk, fast - b0), op + 8 * b0);
+  for (int64_t blk = fast; blk < blocks; ++blk) {  // the stream's last blocks: through a padded copy
     int64_t i0 = blk * 8, i1 = std::min(n, i0 + 8);
     const uint8_t* src = pp + blk * bits;
-    if (i1 - i0 == 8) {  // a whole block: each value from one 64-bit read at its byte
+    if (i1 - i0 == 8) {
       alignas(8) uint8_t buf[64] = {};
-      const uint8_t* b = src;
-      if ((blk + 1) * bits + 8 > total) {  // near the end of the stream: read from a padded copy
-        std::memcpy(buf, src, size_t(bits));
-        b = buf;
-      }
+      std::memcpy(buf, src, size_t(bits));
       for (int j = 0; j < 8; ++j) {
         const int64_t pos = j * bits;
         uint64_t cur;
-        std::memcpy(&cur, b + pos / 8, 8);
+        std::memcpy(&cur, buf + pos / 8, 8);
         op[i0 + j] = int64_t((cur >> (pos & 7)) & mask);
       }
       continue;
