@@ -8,7 +8,9 @@ For each workload, ``ppq tune`` runs the unmodified example script on 2 ranks:
    plan (low-bit weights at the stock schedule, the freed memory spent on fill, re-balanced stages,
    codecs); each rung measured: samples/s, bubble, peak memory per stage, validation loss.
 2. **A budget sweep** (``--budgets``, or 6 budgets from where the fastest stock configuration fits at its
-   fastest down to where only the smallest stock configuration fits): at each per-stage budget the tuner
+   fastest down to where the smallest stock configuration is predicted to fit, and one more at the measured
+   peak of the smallest stock configuration the lowest budget's tune ran, where only it fits: micro-batch 1
+   with recomputation, say): at each per-stage budget the tuner
    measures the stock candidates that fit (the fastest measured is the baseline) and the tuned plan,
    then alternates baseline and plan ``ab_repeats`` more times; the speedup is the ratio of the
    medians. A budget where the stock configuration must compromise (recompute, or a smaller
@@ -127,6 +129,20 @@ def sweep_budgets(free: dict, n: int = 6) -> list[float]:
     # the top one rounded up: the fastest stock configuration fits it
     return sorted({math.ceil(top), *(round(top * (bottom / top) ** (i / (n - 1))) for i in range(1, n))},
                   reverse=True)
+
+
+def floor_budget(r: dict) -> float | None:
+    """The budget (MiB, rounded up to 0.1) where only the smallest stock configuration that a tune measured
+    fits: its measured peak over 1 + ``memory_tolerance`` (the limit trials are held to). None when the tune
+    measured none, or its baseline already is that configuration."""
+    measured = r.get("stock", {}).get("measured") if "error" not in r else None
+    if not measured:
+        return None
+    smallest = min(measured, key=lambda m: m["run"]["peak_memory"])
+    if smallest["plan"]["notes"] == r["baseline"]["plan"]["notes"]:
+        return None
+    tol = r["settings"]["memory_tolerance"]
+    return math.ceil(smallest["run"]["peak_memory"] / (1 + tol) / 2**20 * 10) / 10
 
 
 def ladder_rows(r: dict) -> list[dict]:
@@ -304,11 +320,21 @@ def main() -> int:
                 if ladder_ok and abs(near / w.budget_mb - 1) < 0.1:
                     budgets[budgets.index(near)] = w.budget_mb
             rows = []
-            for b in budgets:
+            auto = not args.budgets
+            for b in list(budgets):
                 reuse = ladder_ok and b == w.budget_mb  # the ladder's tune is this budget's
                 r = ladder if reuse else _tune(w, b, Path(tmp) / f"b{b:g}", model, {"ladder": False})
                 rows.append(sweep_row(b, r, unconstrained))
                 print(json.dumps(rows[-1]), flush=True)
+                # the sweep goes down to where only the smallest stock configuration fits (micro-batch 1
+                # with recomputation, say): the lowest budget's tune measured it, and where its baseline
+                # is still a larger one, one more budget at that configuration's measured peak
+                floor = floor_budget(r) if auto and b == min(budgets) else None
+                if floor is not None and floor < b:
+                    budgets.append(floor)
+                    rf = _tune(w, floor, Path(tmp) / f"b{floor:g}", model, {"ladder": False})
+                    rows.append(sweep_row(floor, rf, unconstrained))
+                    print(json.dumps(rows[-1]), flush=True)
         md = _markdown(w, m, ladder, rows, w.budget_mb, loadavg(), _other_flags(sys.argv[1:]))
         if unconstrained is not None:
             md += unconstrained_lines(unconstrained, rows)
