@@ -44,7 +44,7 @@ sys.path[:0] = [str(ROOT / "examples" / "demo"), str(ROOT / "examples")]  # work
 from _harness import RESULTS, loadavg, machine, machine_line, write_report  # noqa: E402
 from workloads import SCRIPT, ds_config, script_args, settings  # noqa: E402
 
-from deepspeed_ppq.autotune.loop import measured_bubble, stage_compute  # noqa: E402
+from deepspeed_ppq.autotune.ladder import measured_bubble, stage_compute  # noqa: E402
 from deepspeed_ppq.autotune.plan import Plan  # noqa: E402
 
 

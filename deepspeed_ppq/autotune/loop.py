@@ -22,7 +22,11 @@
 5. **Measure the plan**. Over the budget (measured peak, with the same tolerance as the baseline):
    recalibrate memory and plan again. Validation loss outside the gate: back off (the most sensitive
    layer loses its format, master-free weights get their masters back, the most aggressive codec
-   goes) and plan again. Accepted, or ``max_iterations`` spent.
+   goes) and plan again. Accepted, or ``max_iterations`` spent; then the best plan of another schedule
+   (the runner-up) when the model predicts it close.
+6. **Against stock**: the accepted plan and the baseline alternate ``ab_repeats`` times; the speedup is
+   the ratio of the medians. With ``ladder``, the rungs between them are measured one feature at a
+   time (``ladder.py``).
 
 Every rank runs this loop over its own runner; runners return the same measurements on every rank,
 so every rank takes the same decisions. Nothing here imports an engine or a model.
@@ -34,10 +38,12 @@ import dataclasses
 import json
 import statistics
 import time
+from typing import Any
 
 from deepspeed_ppq.autotune import calibrate
-from deepspeed_ppq.autotune.costs import NO_CODEC, CodecOption, LayerProfile
+from deepspeed_ppq.autotune.costs import CodecOption, LayerProfile
 from deepspeed_ppq.autotune.gate import MIN_SEEDS, QualityGate
+from deepspeed_ppq.autotune.ladder import ladder_plans, measured_bubble, repeat_ladder
 from deepspeed_ppq.autotune.memory import coarse, fmt_mib
 from deepspeed_ppq.autotune.plan import Plan
 from deepspeed_ppq.autotune.planner import (
@@ -50,9 +56,8 @@ from deepspeed_ppq.autotune.planner import (
 from deepspeed_ppq.autotune.runner import Profile, TrialResult, TuningRunner
 
 __all__ = [
-    "tune", "summarize", "build_problem", "back_off", "default_micro_batch_sizes", "ladder_plans",
-    "same_configuration", "is_stock_configuration",
-    "measured_bubble", "stage_compute", "over_budget", "may_fit", "TuningError",
+    "tune", "summarize", "build_problem", "back_off", "default_micro_batch_sizes",
+    "same_configuration", "is_stock_configuration", "over_budget", "may_fit", "TuningError",
 ]
 
 
@@ -213,26 +218,6 @@ def back_off(plan: Plan, problem: PlanningProblem) -> str | None:
     return None
 
 
-_COMPUTE = ("ForwardPass", "BackwardPass", "LoadMicroBatch", "OptimizerStep", "ReduceGrads",
-            "ReduceTiedGrads")
-
-
-def measured_bubble(run: dict) -> float:
-    """Idle fraction of the step, averaged over stages: the step minus each stage's compute
-    instructions (the rest is waiting on sends and receives, i.e. the pipeline bubble and transfers)."""
-    step = run["measured_step_time"]
-    idle = [max(0.0, 1 - sum(st["measured_instructions_per_step"].get(k, 0.0) for k in _COMPUTE) / step)
-            for st in run["stages"]]
-    return statistics.mean(idle) if idle and step > 0 else 0.0
-
-
-def stage_compute(run: dict) -> list[float]:
-    """Seconds per step each stage spends in forward and backward passes (recomputation included): what
-    a rung's low-bit weights or re-balanced boundaries change, apart from the bubble."""
-    return [st["measured_instructions_per_step"].get("ForwardPass", 0.0)
-            + st["measured_instructions_per_step"].get("BackwardPass", 0.0) for st in run["stages"]]
-
-
 def is_stock_configuration(plan: Plan, partitions: dict[int, dict[str, list[int]]]) -> bool:
     """Whether stock DeepSpeed could run ``plan`` as it is: training-dtype weights, no codecs, no
     master-free weights, recomputation of every layer on every stage or none, and boundaries one of its
@@ -255,88 +240,220 @@ def same_configuration(a: Plan, b: Plan) -> bool:
     return key(a) == key(b)
 
 
-def _rebalance_label(fill: Plan, tuned: Plan) -> str:
-    """The re-balancing rung's name: what the tuned plan changes after the fill rung (one low-bit level
-    on every stage at the stock cut): the boundaries, each stage's precision, or both."""
-    what = []
-    if tuned.boundaries != fill.boundaries:
-        what.append("boundaries")
-    if tuned.layer_formats != fill.layer_formats:
-        what.append("each stage's precision")
-    return "+ re-balanced stages" + (f" ({' and '.join(what)})" if what else "")
+@dataclasses.dataclass
+class _Tuning:
+    """What one tuning run's steps share: the runner and settings, the model's fingerprint and profile,
+    and the log (every rank keeps the same one)."""
+
+    runner: TuningRunner
+    settings: Any
+    global_batch: int
+    fingerprint: str = ""
+    profile: Profile | None = None
+    log: list[str] = dataclasses.field(default_factory=list)
+
+    def note(self, msg: str) -> None:
+        self.log.append(msg)
+        self.runner.log(msg)
+
+    def stamp(self, plan: Plan) -> None:
+        """What a plan records of the model and the machine it was made on."""
+        plan.model_fingerprint = self.fingerprint
+        plan.threads_per_rank = self.profile.threads_per_rank
+
+    def problem(self) -> PlanningProblem:
+        """The planning problem afresh from the profile (uncalibrated)."""
+        return build_problem(self.settings, self.runner.world_size, self.global_batch, self.profile)
+
+    def timed(self, plan: Plan) -> float:
+        """One timing-only trial of ``plan``: its step time."""
+        return self.runner.run_trial(plan, self.settings, seed=0, timing_only=True).step_time
+
+    def quality(self, plan: Plan, seed: int) -> float:
+        """Validation loss after ``quality_steps`` steps (timing trials are too short for quality)."""
+        steps = self.settings.quality_steps
+        return self.runner.run_trial(plan, self.settings, seed=seed, steps=steps).val_loss
+
+    def measure(self, problem: PlanningProblem, plan: Plan, quality: bool = False) -> tuple[dict, list[str]]:
+        """A plan's trial beside its prediction and simulation, and why it breaks the budget (empty when it
+        fits); with ``quality``, a plan within the budget also gets its quality run's validation loss."""
+        run = summarize(plan, self.runner.run_trial(plan, self.settings, seed=0))
+        run["simulated"] = simulate_plan(problem, plan)
+        over = over_budget(self.settings, run)
+        if quality and not over:
+            run["quality_val_loss"] = self.quality(plan, 0)
+        return run, over
 
 
-def ladder_plans(problem: PlanningProblem, base: Plan, tuned: Plan,
-                 partitions: dict[int, dict[str, list[int]]] | None = None) -> list[tuple[str, Plan]]:
-    """The rungs between the best stock configuration and the tuned plan, one feature at a time:
-    low-bit weights (and the tuned plan's optimizer states) at the stock schedule and partition; then
-    the freed memory spent on fill: the tuned micro-batches and recomputation at the stock partition,
-    or, where the tuned plan runs fewer pipeline stages, that degree cut the way stock DeepSpeed would
-    cut it (``partitions``: degree -> method -> boundaries, the stock method's cut); then the tuned
-    partition and per-stage precision (re-balanced for the stages' new costs); then the tuned codecs.
-    A rung the model cannot express (a format the tuned optimizer setting does not allow) is left out."""
-    from deepspeed_ppq.autotune.planner import Knobs, StageChoice, _to_plan, evaluate_stages
+@dataclasses.dataclass
+class _StockSearch:
+    """The stock search's outcome: the problem with its models fitted to the stock trials, what was
+    predicted and measured, and the baseline (``best``; when none fits, the smallest measured)."""
 
-    low = [f for f in tuned.layer_formats if f != "none"]
-    level = max(set(low), key=low.count) if low else "none"
-
-    def make(label, p, b, m, bounds, recompute, codecs: bool):
-        act = next((c for c in problem.activation_codecs if c.as_dict == tuned.activation_codec), NO_CODEC)
-        grad = next((c for c in problem.gradient_codecs if c.as_dict == tuned.gradient_codec), NO_CODEC)
-        k = Knobs(p, b, m, tuned.schedule, act if codecs else NO_CODEC, grad if codecs else NO_CODEC,
-                  tuned.optimizer_8bit, tuned.master_free)
-        stages = [StageChoice(i, j, level, r, keep)
-                  for (i, j), (r, keep) in zip(zip(bounds, bounds[1:]), recompute)]
-        return _to_plan(problem, k, stages, evaluate_stages(problem, k, stages), [label])
-
-    rungs = []
-    rec_base = [(sp.recompute, sp.keep_last) for sp in base.stages]
-    rec_tuned = [(sp.recompute, sp.keep_last) for sp in tuned.stages]
-    try:
-        rungs.append(("+ low-bit weights and optimizer states at the stock schedule",
-                      make("ladder: low-bit", base.pipeline_degree, base.micro_batch_size,
-                           base.num_microbatches, base.boundaries, rec_base, False)))
-        if tuned.pipeline_degree == base.pipeline_degree:
-            rungs.append(("+ freed memory spent on fill (micro-batches, recomputation)",
-                          make("ladder: fill", base.pipeline_degree, tuned.micro_batch_size,
-                               tuned.num_microbatches, base.boundaries, rec_tuned, False)))
-        else:  # fewer (or more) stages: the stock cut of that degree, by the baseline's method
-            methods = (partitions or {}).get(base.pipeline_degree, {})
-            method = next((name for name, cut in methods.items() if cut == base.boundaries), None)
-            cuts = (partitions or {}).get(tuned.pipeline_degree, {})
-            bounds = cuts.get(method) or next(iter(cuts.values()), tuned.boundaries)
-            rungs.append((f"+ freed memory spent on fill ({base.pipeline_degree} -> {tuned.pipeline_degree} "
-                          "pipeline stages, micro-batches, recomputation)",
-                          make("ladder: fill", tuned.pipeline_degree, tuned.micro_batch_size,
-                               tuned.num_microbatches, bounds, rec_tuned, False)))
-        fill = rungs[-1][1]
-        rungs.append((_rebalance_label(fill, tuned),
-                      make("ladder: re-balanced", tuned.pipeline_degree, tuned.micro_batch_size,
-                           tuned.num_microbatches, tuned.boundaries, rec_tuned, False)))
-    except ValueError:  # a level the optimizer setting does not allow: no intermediate rungs
-        rungs = []
-    if tuned.activation_codec != {"method": "none"} or tuned.gradient_codec != {"method": "none"}:
-        rungs.append(("+ compressed boundaries (the tuned plan)", tuned))
-    elif rungs:
-        rungs[-1] = (rungs[-1][0] + " (the tuned plan)", tuned)
-    return rungs
+    problem: PlanningProblem
+    partitions: dict[int, dict[str, list[int]]]
+    candidates: list[Plan]
+    measured: list[dict]
+    runs: list[tuple[Plan, dict]]
+    time_cal: dict
+    mem_cal: dict
+    best: dict
+    fits: bool
 
 
-def _measure(problem: PlanningProblem, runner: TuningRunner, settings, plan: Plan, quality=None):
-    """A plan's trial beside its prediction and simulation, and why it breaks the budget (empty when it
-    fits); with ``quality``, a plan within the budget also gets its quality run's validation loss."""
-    run = summarize(plan, runner.run_trial(plan, settings, seed=0))
-    run["simulated"] = simulate_plan(problem, plan)
-    over = over_budget(settings, run)
-    if quality is not None and not over:
-        run["quality_val_loss"] = quality(plan, 0)
-    return run, over
+def _search_stock(t: _Tuning, problem: PlanningProblem) -> _StockSearch:
+    """Step 2: the stock configurations measured best-first, the models refitted after each trial (a
+    configuration that turned out too big takes the ones the model now says are too big with it), then the
+    stock final among the fastest that fit."""
+    settings = t.settings
+    partitions = {p: t.runner.stock_partitions(p) for p in problem.degrees()}
+    cands = stock_candidates(problem, partitions, optimizer_8bit=settings.optimizer_8bit)
+    if not any(may_fit(settings, c) for c in cands):
+        try:
+            plan_pipeline(problem)
+        except InfeasibleBudgetError as e:
+            raise InfeasibleBudgetError(f"no configuration fits: {e}") from None
+        t.note(f"no stock configuration is predicted to fit memory_budget={settings.memory_budget} B "
+               f"({fmt_mib(settings.memory_budget)}) per stage (the smallest needs "
+               f"{fmt_mib(min(max(sp.peak_memory for sp in c.stages) for c in cands))}), a low-bit plan is")
+    measured: list[dict] = []
+    runs: list[tuple[Plan, dict]] = []
+    tried: set[str] = set()
+    time_cal: dict = {}
+    mem_cal: dict = {}
+    stop = "every stock candidate the model says fits was measured"
+
+    def measure_stock(plan: Plan) -> None:
+        nonlocal problem, time_cal, mem_cal
+        tried.add(plan.notes[0])
+        t.stamp(plan)
+        run = summarize(plan, t.runner.run_trial(plan, settings, seed=0))
+        over = over_budget(settings, run)
+        measured.append({"plan": plan.to_dict(), "run": run, "fits": not over, "over": over})
+        runs.append((plan, run))
+        t.note(f"{plan.notes[0]}: predicted {plan.predicted_step_time * 1e3:.1f} ms, measured "
+               f"{run['measured_step_time'] * 1e3:.1f} ms, peak {fmt_mib(run['peak_memory'])} (predicted "
+               f"{fmt_mib(max(sp.peak_memory for sp in plan.stages))})"
+               + (f" -- over budget: {'; '.join(over)}" if over else ""))
+        # the next pick is ranked by the models refitted to every trial so far
+        problem = t.problem()
+        time_cal, mem_cal = calibrate.calibrate_time(problem, runs), calibrate.calibrate_memory(problem, runs)
+
+    while len(measured) < _STOCK_TRIAL_CAP * settings.stock_trials:
+        cands = stock_candidates(problem, partitions, optimizer_8bit=settings.optimizer_8bit)
+        plan = next((c for c in cands if may_fit(settings, c) and c.notes[0] not in tried), None)
+        if plan is None:
+            break
+        done = [m["run"]["measured_step_time"] for m in measured if m["fits"]]
+        t_next = plan.predicted_step_time
+        if len(done) >= settings.stock_trials and not settings.stock_margin:
+            stop = f"stock_margin=0: {settings.stock_trials} that fit measured, no more"
+            break
+        if len(done) >= settings.stock_trials and t_next > min(done) * (1 + settings.stock_margin):
+            stop = (f"the next candidate ({plan.notes[0]}) is predicted {t_next * 1e3:.1f} ms, more than "
+                    f"{settings.stock_margin:.0%} over the best measured ({min(done) * 1e3:.1f} ms)")
+            break
+        measure_stock(plan)
+    else:
+        stop = f"{len(measured)} stock trials, the cap ({_STOCK_TRIAL_CAP} x stock_trials)"
+    t.note(f"stock search: {len(measured)} configurations measured; stopped: {stop}")
+    fits = [m for m in measured if m["fits"]]
+    if fits:
+        # the global batch is the same for every candidate: the fastest step is the most samples per second
+        best = _stock_final(t, fits)
+        t_best = statistics.median(best.get("final_step_times", [best["run"]["measured_step_time"]]))
+        t.note(f"baseline (best measured stock): {best['plan']['notes'][0]}, {t_best * 1e3:.1f} ms")
+    else:
+        # stock DeepSpeed cannot train at this budget: the stock configuration with the smallest measured
+        # peak (run over the budget) is the quality reference; no speedup can be claimed over it
+        if not measured:
+            measure_stock(min(cands, key=lambda c: max(sp.peak_memory for sp in c.stages)))
+        best = min(measured, key=lambda m: m["run"]["peak_memory"])
+        t.note(f"stock DeepSpeed cannot train at this budget: the smallest measured stock configuration, "
+               f"{best['plan']['notes'][0]}, peaks at {fmt_mib(best['run']['peak_memory'])} "
+               f"({'; '.join(best['over'])}); it is the quality reference, run over the budget")
+    return _StockSearch(problem, partitions, cands, measured, runs, time_cal, mem_cal, best, bool(fits))
+
+
+def _stock_final(t: _Tuning, fits: list[dict]) -> dict:
+    """The best stock configuration among those that fit (``fits``: measured stock trials), by repeated
+    trials: every one whose first trial came within ``stock_margin`` of the fastest is timed
+    ``ab_repeats`` more times, the candidates alternating, and the lowest median wins (a single trial
+    per candidate picked the baseline by the machine's noise: an 8-bit Adam configuration "beat" the same
+    schedule with fp32 Adam, whose optimizer step is ~3x cheaper). Each finalist's entry keeps its
+    ``final_step_times``."""
+    settings = t.settings
+    fastest = min(m["run"]["measured_step_time"] for m in fits)
+    close = [m for m in fits if m["run"]["measured_step_time"] <= fastest * (1 + settings.stock_margin)]
+    if len(close) < 2 or not settings.ab_repeats:
+        return min(fits, key=lambda m: m["run"]["measured_step_time"])
+    for m in close:
+        m["final_step_times"] = [m["run"]["measured_step_time"]]
+    for _ in range(settings.ab_repeats):
+        for m in close:
+            m["final_step_times"].append(t.timed(Plan.from_dict(m["plan"])))
+    best = min(close, key=lambda m: statistics.median(m["final_step_times"]))
+    t.note(f"stock final: the {len(close)} configurations within {settings.stock_margin:.0%} of the fastest, "
+           f"each timed {1 + settings.ab_repeats} times, alternating (median ms): "
+           + "; ".join(f"{m['plan']['notes'][0].removeprefix('stock: ')} "
+                       f"{statistics.median(m['final_step_times']) * 1e3:.1f}" for m in close))
+    return best
+
+
+def _plan_and_measure(t: _Tuning, problem: PlanningProblem, gate) -> tuple[list[dict], tuple | None]:
+    """Steps 4-5: plan, measure, decide, until a plan fits its budget (measured) and passes the quality
+    gate, or ``max_iterations`` are spent. Over the budget: the memory model recalibrated on the plan and
+    what it still misses held back from the planner's budget; outside the gate: ``back_off``.
+
+    Returns:
+        The iterations (plan, run, verdict each) and the accepted ``(plan, run)``, or None.
+    """
+    iterations: list[dict] = []
+    for it in range(t.settings.max_iterations):
+        plan = plan_pipeline(problem)
+        t.stamp(plan)
+        run, over = t.measure(problem, plan, quality=True)
+        ok_q, why = _gate_check(gate, run.get("quality_val_loss", run["val_loss"]))
+        rec = {"iteration": it, "plan": plan.to_dict(), "run": run, "over_budget": over,
+               "quality": why, "accepted": ok_q and not over}
+        t.note(f"iteration {it}: boundaries {plan.boundaries}, micro-batch {plan.micro_batch_size} x "
+               f"{plan.num_microbatches}, formats {sorted(set(plan.layer_formats))}, 8-bit Adam "
+               f"{plan.optimizer_8bit}, master-free {plan.master_free}, codecs "
+               f"{plan.activation_codec.get('method')}/{plan.gradient_codec.get('method')}: predicted "
+               f"{plan.predicted_step_time * 1e3:.1f} ms, measured {run['measured_step_time'] * 1e3:.1f} ms, "
+               f"peak {fmt_mib(run['peak_memory'])}; {why}")
+        iterations.append(rec)
+        if over:
+            rec["back_off"] = "memory recalibrated: " + json.dumps(
+                calibrate.calibrate_memory(problem, [(plan, run)]))
+            # what the recalibrated model still misses of this plan's peak (the activations of a stage
+            # with recomputation are not refitted) is held back from the planner's budget, so the next
+            # plan is not the same one again
+            again = calibrate.predict(problem, plan)["memory"]
+            miss = max(st["measured_memory"]["total"] - sum(m.values())
+                       for st, m in zip(run["stages"], again))
+            if miss > 0:
+                problem.memory_budget = int(problem.memory_budget - miss)
+                rec["back_off"] += f"; {fmt_mib(miss)} held back from the planner's budget"
+            t.note(f"over budget: {'; '.join(over)}; memory recalibrated"
+                   + (f", {fmt_mib(miss)} the model still misses held back" if miss > 0 else "")
+                   + ", planning again")
+            continue
+        if ok_q:
+            return iterations, (plan, run)
+        change = back_off(plan, problem)
+        rec["back_off"] = change
+        if change is None:
+            t.note("quality gate failed and nothing is left to back off")
+            break
+        t.note(f"quality gate failed: back off: {change}")
+    return iterations, None
 
 
 RUNNER_UP_WITHIN = 0.25  # a runner-up predicted this much slower than the accepted plan is still measured
 
 
-def _runner_up(problem, runner, settings, accepted, quality, gate, iterations, stamp, note):
+def _runner_up(t: _Tuning, problem: PlanningProblem, accepted: tuple, gate, iterations: list[dict]) -> tuple:
     """Measure the best plan of another schedule (pipeline degree, micro-batch size) than the accepted
     one when the model predicts it within ``RUNNER_UP_WITHIN`` of it: the calibration is fitted to a few
     noisy stock trials, and a wrong slope or per-micro-batch cost ranks schedules wrongly. The faster of
@@ -348,11 +465,11 @@ def _runner_up(problem, runner, settings, accepted, quality, gate, iterations, s
         return accepted
     if alt.predicted_step_time > plan.predicted_step_time * (1 + RUNNER_UP_WITHIN):
         return accepted
-    stamp(alt)
-    alt_run, over = _measure(problem, runner, settings, alt)
+    t.stamp(alt)
+    alt_run, over = t.measure(problem, alt)
     faster = not over and alt_run["measured_step_time"] < run["measured_step_time"]
     if faster:
-        alt_run["quality_val_loss"] = quality(alt, 0)
+        alt_run["quality_val_loss"] = t.quality(alt, 0)
     ok_q, why = _gate_check(gate, alt_run.get("quality_val_loss", alt_run["val_loss"]))
     keep = faster and ok_q
     rec = {"iteration": len(iterations), "plan": alt.to_dict(), "run": alt_run, "over_budget": over,
@@ -362,62 +479,124 @@ def _runner_up(problem, runner, settings, accepted, quality, gate, iterations, s
     else:
         rec["back_off"] = "runner-up: " + ("over budget" if over else "quality gate" if faster else "slower")
     iterations.append(rec)
-    note(f"runner-up (another schedule): micro-batch {alt.micro_batch_size} x {alt.num_microbatches} on "
-         f"{alt.pipeline_degree} stage(s), formats {sorted(set(alt.layer_formats))}, recompute "
-         f"{alt.recompute_label}: "
-         f"predicted {alt.predicted_step_time * 1e3:.1f} ms, measured "
-         f"{alt_run['measured_step_time'] * 1e3:.1f} ms against {run['measured_step_time'] * 1e3:.1f} ms, "
-         f"peak {fmt_mib(alt_run['peak_memory'])}"
-         + ("; over budget" if over else "") + (f"; {why}" if faster else "")
-         + ("; it replaces the accepted plan" if keep else "; the accepted plan stays"))
+    t.note(f"runner-up (another schedule): micro-batch {alt.micro_batch_size} x {alt.num_microbatches} on "
+           f"{alt.pipeline_degree} stage(s), formats {sorted(set(alt.layer_formats))}, recompute "
+           f"{alt.recompute_label}: "
+           f"predicted {alt.predicted_step_time * 1e3:.1f} ms, measured "
+           f"{alt_run['measured_step_time'] * 1e3:.1f} ms against {run['measured_step_time'] * 1e3:.1f} ms, "
+           f"peak {fmt_mib(alt_run['peak_memory'])}"
+           + ("; over budget" if over else "") + (f"; {why}" if faster else "")
+           + ("; it replaces the accepted plan" if keep else "; the accepted plan stays"))
     return (alt, alt_run) if keep else accepted
 
 
-def _stock_final(runner: TuningRunner, settings, fits: list[dict], note) -> dict:
-    """The best stock configuration among those that fit (``fits``: measured stock trials), by repeated
-    trials: every one whose first trial came within ``stock_margin`` of the fastest is timed
-    ``ab_repeats`` more times, the candidates alternating, and the lowest median wins (a single trial
-    per candidate picked the baseline by the machine's noise: an 8-bit Adam configuration "beat" the same
-    schedule with fp32 Adam, whose optimizer step is ~3x cheaper). Each finalist's entry keeps its
-    ``final_step_times``."""
-    fastest = min(m["run"]["measured_step_time"] for m in fits)
-    close = [m for m in fits if m["run"]["measured_step_time"] <= fastest * (1 + settings.stock_margin)]
-    if len(close) < 2 or not settings.ab_repeats:
-        return min(fits, key=lambda m: m["run"]["measured_step_time"])
-    for m in close:
-        m["final_step_times"] = [m["run"]["measured_step_time"]]
-    for _ in range(settings.ab_repeats):
-        for m in close:
-            trial = runner.run_trial(Plan.from_dict(m["plan"]), settings, seed=0, timing_only=True)
-            m["final_step_times"].append(trial.step_time)
-    best = min(close, key=lambda m: statistics.median(m["final_step_times"]))
-    note(f"stock final: the {len(close)} configurations within {settings.stock_margin:.0%} of the fastest, "
-         f"each timed {1 + settings.ab_repeats} times, alternating (median ms): "
-         + "; ".join(f"{m['plan']['notes'][0].removeprefix('stock: ')} "
-                     f"{statistics.median(m['final_step_times']) * 1e3:.1f}" for m in close))
-    return best
+@dataclasses.dataclass
+class _Outcome:
+    """What the tuning run hands the user: the plan to run (``chosen``), the verdict, the A/B times, and the
+    baseline as it finally stands (a tuned plan that is itself a stock configuration and won the A/B
+    replaces it)."""
+
+    chosen: Plan
+    outcome: str
+    ab: dict
+    base: Plan
+    base_run: dict
 
 
-def _repeat_ladder(runner: TuningRunner, settings, ladder: list[dict]) -> None:
-    """Time every rung ``settings.ab_repeats`` more times, the rungs alternating so that load drifts hit
-    each alike (one trial per rung swung by 10-30% on a shared 2-core machine): a rung's step time becomes
-    the median over its trials (``repeat_step_times`` keeps them), its per-instruction times the mean."""
-    runs = [[] for _ in ladder]
-    for _ in range(settings.ab_repeats):
-        for k, rec in enumerate(ladder):
-            runs[k].append(runner.run_trial(Plan.from_dict(rec["plan"]), settings, seed=0, timing_only=True))
-    for rec, trials in zip(ladder, runs):
-        run = rec["run"]
-        times = [run["measured_step_time"], *(t.step_time for t in trials)]
-        run["repeat_step_times"] = times
-        run["measured_step_time"] = statistics.median(times)
-        run["samples_per_second"] *= times[0] / run["measured_step_time"]
-        stages = []
-        for k, st in enumerate(run["stages"]):
-            seen = [st["measured_instructions_per_step"], *(t.stages[k].instructions for t in trials)]
-            mean = {name: statistics.mean(d.get(name, 0.0) for d in seen) for name in seen[0]}
-            stages.append({**st, "measured_instructions_per_step": mean})
-        run["stages"] = stages
+def _plan_alone(t: _Tuning, stock: _StockSearch, accepted: tuple) -> _Outcome:
+    """Stock DeepSpeed cannot train at this budget: the accepted plan is the outcome, timed
+    ``ab_repeats`` more times (its time is what the user's run sees); no speedup is claimed. The baseline
+    stays the smallest stock configuration, run over the budget: the quality reference."""
+    plan, run = accepted
+    ab = {"baseline": [], "tuned": [run["measured_step_time"]]}
+    for _ in range(t.settings.ab_repeats):
+        ab["tuned"].append(t.timed(plan))
+    plan.measured_step_time = statistics.median(ab["tuned"])
+    plan.measured_memory = [st["measured_memory"] for st in run["stages"]]
+    t.note(f"accepted: stock DeepSpeed cannot train at this budget; the plan trains at "
+           f"{plan.measured_step_time * 1e3:.1f} ms per step (median of {len(ab['tuned'])}), peak "
+           f"{fmt_mib(run['peak_memory'])}")
+    return _Outcome(plan, "stock_does_not_fit", ab, Plan.from_dict(stock.best["plan"]), stock.best["run"])
+
+
+def _against_stock(t: _Tuning, stock: _StockSearch, accepted: tuple | None) -> _Outcome:
+    """The accepted plan against the best stock configuration: ``ab_repeats`` alternating trials of each
+    (load drifts hit both alike), the speedup the ratio of the medians. A plan identical to the baseline, a
+    plan that is itself a stock configuration, or one no faster claims nothing."""
+    settings = t.settings
+    base, base_run = Plan.from_dict(stock.best["plan"]), stock.best["run"]
+    first = stock.best.get("final_step_times", [base_run["measured_step_time"]])
+    ab = {"baseline": list(first), "tuned": []}
+    same = accepted is not None and same_configuration(accepted[0], base)
+    if same:
+        t.note("the tuned plan is the best stock configuration itself: nothing to gain over it")
+        ab["baseline"].append(accepted[1]["measured_step_time"])  # every trial of the configuration
+    if accepted is None or same:
+        base.measured_step_time = statistics.median(ab["baseline"])
+        base.measured_memory = [st["measured_memory"] for st in base_run["stages"]]
+        return _Outcome(base, "baseline", ab, base, base_run)
+    plan, run = accepted
+    if settings.ab_repeats:  # alternate, and compare only these
+        ab = {"baseline": [], "tuned": []}
+        for _ in range(settings.ab_repeats):
+            ab["baseline"].append(t.timed(base))
+            ab["tuned"].append(t.timed(plan))
+    else:  # the first measurements, taken at different times
+        ab = {"baseline": [base_run["measured_step_time"]], "tuned": [run["measured_step_time"]]}
+    t_base, t_tuned = statistics.median(ab["baseline"]), statistics.median(ab["tuned"])
+    # what the user's run should see: every trial of this plan (the speedup compares the A/B alone)
+    plan.measured_step_time = statistics.median(
+        ab["tuned"] + ([run["measured_step_time"]] if settings.ab_repeats else []))
+    plan.measured_memory = [st["measured_memory"] for st in run["stages"]]
+    if is_stock_configuration(plan, stock.partitions):
+        # a configuration the stock search could have picked: the A/B only corrects its noisy pick
+        verdict = "faster" if t_tuned < t_base else "slower"
+        t.note(f"the tuned plan is itself a stock configuration ({verdict} in the A/B: "
+               f"{t_base * 1e3:.1f} vs {t_tuned * 1e3:.1f} ms): it claims nothing over stock "
+               "DeepSpeed; the faster of the two is the best stock configuration")
+        if t_tuned < t_base:  # it keeps its own measured time (set above), not the old baseline's
+            return _Outcome(plan, "baseline", ab, plan, run)
+    elif t_tuned < t_base:
+        t.note(f"accepted: {t_base / t_tuned:.2f}x samples/s over the best stock configuration "
+               f"({t_base * 1e3:.1f} -> {t_tuned * 1e3:.1f} ms)")
+        return _Outcome(plan, "tuned", ab, base, base_run)
+    else:
+        t.note(f"the plan passed the checks but ran no faster than the best stock configuration "
+               f"({t_base * 1e3:.1f} vs {t_tuned * 1e3:.1f} ms): the stock configuration is the plan")
+    base.measured_step_time = t_base
+    base.measured_memory = [st["measured_memory"] for st in base_run["stages"]]
+    return _Outcome(base, "baseline", ab, base, base_run)
+
+
+def _measure_ladder(t: _Tuning, stock: _StockSearch, res: _Outcome, accepted: tuple,
+                    seed_losses: list[float]) -> list[dict]:
+    """The ladder from the best stock configuration to the tuned plan, each rung measured (a rung the
+    previous one equals is left out), then every rung timed ``ab_repeats`` more times, alternating."""
+    ladder = [{"rung": "best stock configuration", "plan": res.base.to_dict(),
+               "run": {**res.base_run, "quality_val_loss": seed_losses[0]}}]
+    previous = res.base
+    for label, rung in ladder_plans(stock.problem, res.base, accepted[0], stock.partitions):
+        if same_configuration(rung, previous):
+            continue  # this feature changes nothing here
+        previous = rung
+        t.stamp(rung)
+        if rung is accepted[0]:
+            run = dict(accepted[1])
+        else:
+            run = summarize(rung, t.runner.run_trial(rung, t.settings, seed=0))
+            run["quality_val_loss"] = t.quality(rung, 0)
+        ladder.append({"rung": label, "plan": rung.to_dict(), "run": run})
+        t.note(f"ladder: {label}: {run['measured_step_time'] * 1e3:.1f} ms, peak "
+               f"{fmt_mib(run['peak_memory'])}, val loss "
+               f"{run.get('quality_val_loss', run['val_loss']):.4f}")
+    if t.settings.ab_repeats:
+        repeat_ladder(t.runner, t.settings, ladder)
+        medians = ", ".join(f"{rec['run']['measured_step_time'] * 1e3:.1f}" for rec in ladder)
+        t.note(f"ladder: every rung timed {1 + t.settings.ab_repeats} times, the rungs alternating; "
+               f"median ms {medians}")
+    for rec in ladder:
+        rec["bubble"] = measured_bubble(rec["run"])
+    return ladder
 
 
 class _Gate:
@@ -501,270 +680,70 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         TuningError / InfeasibleBudgetError: nothing fits; the message says the smallest budget that
             would and what fills it.
     """
-    log: list[str] = []
-
-    def note(msg: str) -> None:
-        log.append(msg)
-        runner.log(msg)
-
     t_start = time.perf_counter()
-    fingerprint = runner.fingerprint()
-    profile = runner.profile(settings)
-
-    def stamp(plan: Plan) -> None:  # what a plan records of the model and the machine it was made on
-        plan.model_fingerprint = fingerprint
-        plan.threads_per_rank = profile.threads_per_rank
-
-    note(f"profile: {len(profile.layers)} layers, link {profile.link.latency_s * 1e6:.0f} us + "
-         f"{profile.link.bandwidth_Bps / 1e9:.2f} GB/s, optimizer ns/param "
-         + ", ".join(f"{k} {v * 1e9:.2f}" for k, v in profile.optimizer_costs.items()))
-    problem = build_problem(settings, runner.world_size, global_batch, profile)
+    t = _Tuning(runner, settings, global_batch)
+    t.fingerprint = runner.fingerprint()
+    t.profile = profile = runner.profile(settings)  # 1. profile
+    t.note(f"profile: {len(profile.layers)} layers, link {profile.link.latency_s * 1e6:.0f} us + "
+           f"{profile.link.bandwidth_Bps / 1e9:.2f} GB/s, optimizer ns/param "
+           + ", ".join(f"{k} {v * 1e9:.2f}" for k, v in profile.optimizer_costs.items()))
+    problem = t.problem()
     if len(problem.layers) < min(problem.degrees(), default=1):
         raise TuningError(f"the model has {len(problem.layers)} layers, fewer than the smallest pipeline "
                           f"degree {min(problem.degrees())}")
 
-    # 2. the best stock configuration, measured; each measurement refits the memory model, so a
-    #    configuration that turned out too big takes the ones the model now says are too big with it
-    partitions = {p: runner.stock_partitions(p) for p in problem.degrees()}
-    cands = stock_candidates(problem, partitions, optimizer_8bit=settings.optimizer_8bit)
-    if not any(may_fit(settings, c) for c in cands):
-        try:
-            plan_pipeline(problem)
-        except InfeasibleBudgetError as e:
-            raise InfeasibleBudgetError(f"no configuration fits: {e}") from None
-        note(f"no stock configuration is predicted to fit memory_budget={settings.memory_budget} B "
-             f"({fmt_mib(settings.memory_budget)}) per stage (the smallest needs "
-             f"{fmt_mib(min(max(sp.peak_memory for sp in c.stages) for c in cands))}), a low-bit plan is")
-    measured, runs, tried, stop = [], [], set(), "every stock candidate the model says fits was measured"
+    stock = _search_stock(t, problem)  # 2. the best stock configuration, measured
+    problem, base = stock.problem, Plan.from_dict(stock.best["plan"])
+    for plan, run in stock.runs:  # 3. the models as fitted to every measured stock trial
+        run["calibrated_step_time"] = calibrate.predict(problem, plan)["step_time"]
+    tc, mc = stock.time_cal, stock.mem_cal
+    t.note(f"calibration: layer times x{tc['time_scale']:.3f}, engine "
+           f"{tc['fixed_per_microbatch_s'] * 1e3:.2f} ms per stage and micro-batch; activations "
+           f"x{mc['activation_scale']:.3f}, around the step "
+           f"{mc['step_transient_bytes_per_param']:.1f} B/param + {fmt_mib(mc['step_fixed_bytes'])}")
 
-    def measure_stock(plan: Plan) -> None:
-        nonlocal problem, time_cal, mem_cal
-        tried.add(plan.notes[0])
-        stamp(plan)
-        run = summarize(plan, runner.run_trial(plan, settings, seed=0))
-        over = over_budget(settings, run)
-        measured.append({"plan": plan.to_dict(), "run": run, "fits": not over, "over": over})
-        runs.append((plan, run))
-        note(f"{plan.notes[0]}: predicted {plan.predicted_step_time * 1e3:.1f} ms, measured "
-             f"{run['measured_step_time'] * 1e3:.1f} ms, peak {fmt_mib(run['peak_memory'])} (predicted "
-             f"{fmt_mib(max(sp.peak_memory for sp in plan.stages))})"
-             + (f" -- over budget: {'; '.join(over)}" if over else ""))
-        problem, time_cal, mem_cal = refit()  # the next pick is ranked by the refitted models
-
-    def refit() -> tuple[PlanningProblem, dict, dict]:
-        """The problem afresh from the profile, its time and memory models fitted to every trial so far."""
-        fresh = build_problem(settings, runner.world_size, global_batch, profile)
-        return fresh, calibrate.calibrate_time(fresh, runs), calibrate.calibrate_memory(fresh, runs)
-
-    time_cal = mem_cal = {}
-    while len(measured) < _STOCK_TRIAL_CAP * settings.stock_trials:
-        cands = stock_candidates(problem, partitions, optimizer_8bit=settings.optimizer_8bit)
-        plan = next((c for c in cands if may_fit(settings, c) and c.notes[0] not in tried), None)
-        if plan is None:
-            break
-        done = [m["run"]["measured_step_time"] for m in measured if m["fits"]]
-        t_next = plan.predicted_step_time
-        if len(done) >= settings.stock_trials and not settings.stock_margin:
-            stop = f"stock_margin=0: {settings.stock_trials} that fit measured, no more"
-            break
-        if len(done) >= settings.stock_trials and t_next > min(done) * (1 + settings.stock_margin):
-            stop = (f"the next candidate ({plan.notes[0]}) is predicted {t_next * 1e3:.1f} ms, more than "
-                    f"{settings.stock_margin:.0%} over the best measured ({min(done) * 1e3:.1f} ms)")
-            break
-        measure_stock(plan)
-    else:
-        stop = f"{len(measured)} stock trials, the cap ({_STOCK_TRIAL_CAP} x stock_trials)"
-    note(f"stock search: {len(measured)} configurations measured; stopped: {stop}")
-    fits = [m for m in measured if m["fits"]]
-    stock_fits = bool(fits)
-    if stock_fits:
-        # the global batch is the same for every candidate: the fastest step is the most samples per second
-        best = _stock_final(runner, settings, fits, note)
-    else:
-        # stock DeepSpeed cannot train at this budget: the stock configuration with the smallest measured
-        # peak (run over the budget) is the quality reference; no speedup can be claimed over it
-        if not measured:
-            measure_stock(min(cands, key=lambda c: max(sp.peak_memory for sp in c.stages)))
-        best = min(measured, key=lambda m: m["run"]["peak_memory"])
-    base = Plan.from_dict(best["plan"])
-    base_run = best["run"]
-    if stock_fits:
-        t_best = statistics.median(best.get("final_step_times", [base_run["measured_step_time"]]))
-        note(f"baseline (best measured stock): {base.notes[0]}, {t_best * 1e3:.1f} ms")
-    else:
-        note(f"stock DeepSpeed cannot train at this budget: the smallest measured stock configuration, "
-             f"{base.notes[0]}, peaks at {fmt_mib(base_run['peak_memory'])} ({'; '.join(best['over'])}); "
-             "it is the quality reference, run over the budget")
-
-    # 3. the models as fitted to every measured stock trial
-    for plan, run in runs:
-        cal = calibrate.predict(problem, plan)
-        run["calibrated_step_time"] = cal["step_time"]
-    note(f"calibration: layer times x{time_cal['time_scale']:.3f}, engine "
-         f"{time_cal['fixed_per_microbatch_s'] * 1e3:.2f} ms per stage and micro-batch; activations "
-         f"x{mem_cal['activation_scale']:.3f}, around the step "
-         f"{mem_cal['step_transient_bytes_per_param']:.1f} B/param + {fmt_mib(mem_cal['step_fixed_bytes'])}")
-
-    # quality noise: the baseline over seeds, each trained quality_steps steps (timing trials are short)
-    def quality(plan: Plan, seed: int) -> float:
-        return runner.run_trial(plan, settings, seed=seed, steps=settings.quality_steps).val_loss
-
-    seed_losses = [quality(base, s) for s in range(settings.seeds)]
+    # quality noise: the baseline over seeds, each trained quality_steps steps
+    seed_losses = [t.quality(base, s) for s in range(settings.seeds)]
     gate = _make_gate(seed_losses, settings.val_loss_tolerance)
-    note(f"baseline val loss after {settings.quality_steps} steps over {settings.seeds} seed(s): "
-         + ", ".join(f"{v:.4f}" for v in seed_losses))
+    t.note(f"baseline val loss after {settings.quality_steps} steps over {settings.seeds} seed(s): "
+           + ", ".join(f"{v:.4f}" for v in seed_losses))
 
-    # 4-5. plan, measure, decide
-    iterations, accepted = [], None
-    for it in range(settings.max_iterations):
-        plan = plan_pipeline(problem)
-        stamp(plan)
-        run, over = _measure(problem, runner, settings, plan, quality)
-        ok_q, why = _gate_check(gate, run.get("quality_val_loss", run["val_loss"]))
-        rec = {"iteration": it, "plan": plan.to_dict(), "run": run, "over_budget": over,
-               "quality": why, "accepted": ok_q and not over}
-        note(f"iteration {it}: boundaries {plan.boundaries}, micro-batch {plan.micro_batch_size} x "
-             f"{plan.num_microbatches}, formats {sorted(set(plan.layer_formats))}, 8-bit Adam "
-             f"{plan.optimizer_8bit}, master-free {plan.master_free}, codecs "
-             f"{plan.activation_codec.get('method')}/{plan.gradient_codec.get('method')}: predicted "
-             f"{plan.predicted_step_time * 1e3:.1f} ms, measured {run['measured_step_time'] * 1e3:.1f} ms, "
-             f"peak {fmt_mib(run['peak_memory'])}; {why}")
-        iterations.append(rec)
-        if over:
-            rec["back_off"] = "memory recalibrated: " + json.dumps(
-                calibrate.calibrate_memory(problem, [(plan, run)]))
-            # what the recalibrated model still misses of this plan's peak (the activations of a stage
-            # with recomputation are not refitted) is held back from the planner's budget, so the next
-            # plan is not the same one again
-            again = calibrate.predict(problem, plan)["memory"]
-            miss = max(st["measured_memory"]["total"] - sum(m.values())
-                       for st, m in zip(run["stages"], again))
-            if miss > 0:
-                problem.memory_budget = int(problem.memory_budget - miss)
-                rec["back_off"] += f"; {fmt_mib(miss)} held back from the planner's budget"
-            note(f"over budget: {'; '.join(over)}; memory recalibrated"
-                 + (f", {fmt_mib(miss)} the model still misses held back" if miss > 0 else "")
-                 + ", planning again")
-            continue
-        if ok_q:
-            accepted = (plan, run)
-            break
-        change = back_off(plan, problem)
-        rec["back_off"] = change
-        if change is None:
-            note("quality gate failed and nothing is left to back off")
-            break
-        note(f"quality gate failed: back off: {change}")
-
+    iterations, accepted = _plan_and_measure(t, problem, gate)  # 4-5. plan, measure, decide
     if accepted is not None and len(iterations) < settings.max_iterations:
-        accepted = _runner_up(problem, runner, settings, accepted, quality, gate, iterations, stamp, note)
-    lowbit = _low_bit_alternative(problem, accepted[0] if accepted else base, note)
-    ladder = []
-    if not stock_fits:
-        if accepted is None:
-            raise TuningError(
-                "stock DeepSpeed cannot train at this budget (every stock configuration measured over it: "
-                + "; ".join(f"{m['plan']['notes'][0]}: {'; '.join(m['over'])}" for m in measured)
-                + ") and no plan passed the checks (see the iterations in the log)")
-        plan, run = accepted
-        ab = {"baseline": [], "tuned": [run["measured_step_time"]]}
-        for _ in range(settings.ab_repeats):  # the plan alone: its time is what the user's run sees
-            ab["tuned"].append(runner.run_trial(plan, settings, seed=0, timing_only=True).step_time)
-        plan.measured_step_time = statistics.median(ab["tuned"])
-        plan.measured_memory = [st["measured_memory"] for st in run["stages"]]
-        note(f"accepted: stock DeepSpeed cannot train at this budget; the plan trains at "
-             f"{plan.measured_step_time * 1e3:.1f} ms per step (median of {len(ab['tuned'])}), peak "
-             f"{fmt_mib(run['peak_memory'])}")
-        chosen, outcome = plan, "stock_does_not_fit"
+        accepted = _runner_up(t, problem, accepted, gate, iterations)
+    lowbit = _low_bit_alternative(problem, accepted[0] if accepted else base, t.note)
+    if stock.fits:
+        res = _against_stock(t, stock, accepted)
+    elif accepted is not None:
+        res = _plan_alone(t, stock, accepted)
     else:
-        ab = {"baseline": [base_run["measured_step_time"]], "tuned": []}
-        chosen, outcome = base, "baseline"
-        stock_plan_won = False  # a tuned plan that is a stock configuration beat the baseline in the A/B
-        if accepted is not None and same_configuration(accepted[0], base):
-            note("the tuned plan is the best stock configuration itself: nothing to gain over it")
-            accepted_same = True
-        else:
-            accepted_same = False
-        if accepted is not None and not accepted_same:
-            plan, run = accepted
-            ab["tuned"].append(run["measured_step_time"])
-            if settings.ab_repeats:  # alternate, and compare only these: load drifts hit both alike
-                ab = {"baseline": [], "tuned": []}
-            for _ in range(settings.ab_repeats):
-                ab["baseline"].append(runner.run_trial(base, settings, seed=0, timing_only=True).step_time)
-                ab["tuned"].append(runner.run_trial(plan, settings, seed=0, timing_only=True).step_time)
-            t_base, t_tuned = statistics.median(ab["baseline"]), statistics.median(ab["tuned"])
-            # what the user's run should see: every trial of this plan (the speedup compares the A/B alone)
-            plan.measured_step_time = statistics.median(
-                ab["tuned"] + ([run["measured_step_time"]] if settings.ab_repeats else []))
-            plan.measured_memory = [st["measured_memory"] for st in run["stages"]]
-            if is_stock_configuration(plan, partitions):
-                # a configuration the stock search could have picked: the A/B only corrects its noisy pick
-                outcome = "baseline"
-                if t_tuned < t_base:  # it keeps its own measured time (set above), not the old baseline's
-                    chosen, base, base_run, stock_plan_won = plan, plan, run, True
-                verdict = "faster" if chosen is plan else "slower"
-                note(f"the tuned plan is itself a stock configuration ({verdict} in the A/B: "
-                     f"{t_base * 1e3:.1f} vs {t_tuned * 1e3:.1f} ms): it claims nothing over stock "
-                     "DeepSpeed; the faster of the two is the best stock configuration")
-            elif t_tuned < t_base:
-                chosen, outcome = plan, "tuned"
-                note(f"accepted: {t_base / t_tuned:.2f}x samples/s over the best stock configuration "
-                     f"({t_base * 1e3:.1f} -> {t_tuned * 1e3:.1f} ms)")
-            else:
-                note(f"the plan passed the checks but ran no faster than the best stock configuration "
-                     f"({t_base * 1e3:.1f} vs {t_tuned * 1e3:.1f} ms): the stock configuration is the plan")
-        if settings.ladder and outcome == "tuned":
-            ladder.append({"rung": "best stock configuration", "plan": base.to_dict(),
-                           "run": {**base_run, "quality_val_loss": seed_losses[0]}})
-            previous = base
-            for label, rung in ladder_plans(problem, base, accepted[0], partitions):
-                if same_configuration(rung, previous):
-                    continue  # this feature changes nothing here
-                previous = rung
-                stamp(rung)
-                if rung is accepted[0]:
-                    run = dict(accepted[1])
-                else:
-                    run = summarize(rung, runner.run_trial(rung, settings, seed=0))
-                    run["quality_val_loss"] = quality(rung, 0)
-                ladder.append({"rung": label, "plan": rung.to_dict(), "run": run})
-                note(f"ladder: {label}: {run['measured_step_time'] * 1e3:.1f} ms, peak "
-                     f"{fmt_mib(run['peak_memory'])}, val loss "
-                     f"{run.get('quality_val_loss', run['val_loss']):.4f}")
-        if ladder and settings.ab_repeats:
-            _repeat_ladder(runner, settings, ladder)
-            medians = ", ".join(f"{rec['run']['measured_step_time'] * 1e3:.1f}" for rec in ladder)
-            note(f"ladder: every rung timed {1 + settings.ab_repeats} times, the rungs alternating; "
-                 f"median ms {medians}")
-        for rec in ladder:
-            rec["bubble"] = measured_bubble(rec["run"])
-        if chosen is base and not stock_plan_won:
-            # every trial of the configuration, the accepted iteration's too when it is the same
-            base.measured_step_time = statistics.median(
-                ab["baseline"] + ([accepted[1]["measured_step_time"]] if accepted_same else []))
-            base.measured_memory = [st["measured_memory"] for st in base_run["stages"]]
+        raise TuningError(
+            "stock DeepSpeed cannot train at this budget (every stock configuration measured over it: "
+            + "; ".join(f"{m['plan']['notes'][0]}: {'; '.join(m['over'])}" for m in stock.measured)
+            + ") and no plan passed the checks (see the iterations in the log)")
+    ladder = _measure_ladder(t, stock, res, accepted, seed_losses) if (
+        settings.ladder and res.outcome == "tuned") else []
     return {
-        "fingerprint": fingerprint,
+        "fingerprint": t.fingerprint,
         "settings": settings.model_dump(mode="json"),
         "world_size": runner.world_size,
         "global_batch": global_batch,
         "profile": profile.to_dict(),
         "stock": {"candidates": [{"notes": c.notes, "predicted_step_time": c.predicted_step_time,
                                   "predicted_peak": max(sp.peak_memory for sp in c.stages),
-                                  "fits": may_fit(settings, c)} for c in cands],
-                  "measured": measured},
-        "baseline": {"plan": base.to_dict(), "run": base_run, "seeds": seed_losses},
+                                  "fits": may_fit(settings, c)} for c in stock.candidates],
+                  "measured": stock.measured},
+        "baseline": {"plan": res.base.to_dict(), "run": res.base_run, "seeds": seed_losses},
         "gate": gate.to_dict(),
-        "calibration": {"time": time_cal, "memory": mem_cal},
+        "calibration": {"time": stock.time_cal, "memory": stock.mem_cal},
         "iterations": iterations,
         "accepted": accepted is not None,
-        "outcome": outcome,
-        "stock_fits": stock_fits,
-        "plan": chosen.to_dict(),
-        "ab_step_times": ab,
+        "outcome": res.outcome,
+        "stock_fits": stock.fits,
+        "plan": res.chosen.to_dict(),
+        "ab_step_times": res.ab,
         "ladder": ladder,
         "low_bit_alternative": lowbit,
-        "log": log,
+        "log": t.log,
         "seconds": time.perf_counter() - t_start,
     }

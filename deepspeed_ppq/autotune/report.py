@@ -12,7 +12,7 @@ import os
 import statistics
 from pathlib import Path
 
-from deepspeed_ppq.autotune.loop import stage_compute
+from deepspeed_ppq.autotune.ladder import stage_compute
 from deepspeed_ppq.autotune.memory import CATEGORIES, MIB
 from deepspeed_ppq.autotune.plan import Plan
 

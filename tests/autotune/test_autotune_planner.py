@@ -504,7 +504,7 @@ def test_ladder_spends_freed_memory_on_fewer_stages():
     """When the tuned plan runs fewer pipeline stages than the best stock configuration, the fill rung
     is that degree, cut as stock DeepSpeed cuts it, with the tuned micro-batches; the rungs climb one
     feature at a time from the stock configuration to the tuned plan."""
-    from deepspeed_ppq.autotune.loop import ladder_plans
+    from deepspeed_ppq.autotune.ladder import ladder_plans
     from deepspeed_ppq.integrations.model_layers import deepspeed_partitions
 
     prob = _problem(3, 6, world_size=2, global_batch=8, pipeline_degrees=[1, 2])
@@ -532,7 +532,7 @@ def test_rebalance_rung_names_what_changes():
     boundaries, give each stage its own precision, or both; the rung says which."""
     import copy
 
-    from deepspeed_ppq.autotune.loop import _rebalance_label
+    from deepspeed_ppq.autotune.ladder import rebalance_label
 
     fill = plan_pipeline(_problem(4, 6, world_size=2, global_batch=8, pipeline_degrees=[2]))
     precision, moved = copy.deepcopy(fill), copy.deepcopy(fill)
@@ -540,11 +540,11 @@ def test_rebalance_rung_names_what_changes():
     a, b = moved.stages
     b.layers, b.formats = (b.layers[0] - 1, b.layers[1]), [a.formats[-1], *b.formats]
     a.layers, a.formats = (a.layers[0], a.layers[1] - 1), a.formats[:-1]
-    assert _rebalance_label(fill, fill) == "+ re-balanced stages"
-    assert _rebalance_label(fill, precision) == "+ re-balanced stages (each stage's precision)"
-    assert _rebalance_label(fill, moved) == "+ re-balanced stages (boundaries)"
+    assert rebalance_label(fill, fill) == "+ re-balanced stages"
+    assert rebalance_label(fill, precision) == "+ re-balanced stages (each stage's precision)"
+    assert rebalance_label(fill, moved) == "+ re-balanced stages (boundaries)"
     moved.stages[1].formats = ["int8"] * len(moved.stages[1].formats)
-    assert _rebalance_label(fill, moved) == "+ re-balanced stages (boundaries and each stage's precision)"
+    assert rebalance_label(fill, moved) == "+ re-balanced stages (boundaries and each stage's precision)"
 
 
 def test_runner_up_is_the_best_plan_of_another_schedule():
@@ -576,7 +576,7 @@ def test_stock_final_picks_the_lowest_median_not_a_lucky_trial():
     does not make a configuration the baseline; one outside the margin is not re-timed."""
     from types import SimpleNamespace
 
-    from deepspeed_ppq.autotune.loop import _stock_final
+    from deepspeed_ppq.autotune.loop import _stock_final, _Tuning
     from deepspeed_ppq.config import AutotuneConfig
 
     prob = _problem(4, 8, world_size=2, global_batch=8, pipeline_degrees=[2])
@@ -585,6 +585,9 @@ def test_stock_final_picks_the_lowest_median_not_a_lucky_trial():
     calls = []
 
     class Runner:
+        def log(self, msg):
+            pass
+
         def run_trial(self, plan, settings, seed=0, steps=None, timing_only=False):
             assert timing_only
             name = plan.notes[0]
@@ -593,15 +596,14 @@ def test_stock_final_picks_the_lowest_median_not_a_lucky_trial():
 
     fits = [{"plan": plans[n].to_dict(), "run": {"measured_step_time": t}}
             for n, t in (("lucky", 0.100), ("steady", 0.108), ("slow", 0.140))]
-    log = []
-    settings = AutotuneConfig(stock_margin=0.15, ab_repeats=2)
-    best = _stock_final(Runner(), settings, fits, log.append)
+    t = _Tuning(Runner(), AutotuneConfig(stock_margin=0.15, ab_repeats=2), global_batch=8)
+    best = _stock_final(t, fits)
     assert best["plan"]["notes"] == ["steady"]
     assert calls == ["lucky", "steady", "lucky", "steady"]  # alternating; "slow" (40% over) not re-timed
     assert best["final_step_times"] == [0.108, 0.110, 0.112]
-    assert log and log[0].startswith("stock final: the 2 configurations within 15% of the fastest")
+    assert t.log and t.log[0].startswith("stock final: the 2 configurations within 15% of the fastest")
     # without repeats, the fastest first trial stands
     calls.clear()
-    best = _stock_final(Runner(), AutotuneConfig(ab_repeats=0), fits, log.append)
+    best = _stock_final(_Tuning(Runner(), AutotuneConfig(ab_repeats=0), global_batch=8), fits)
     assert best["plan"]["notes"] == ["lucky"]
     assert not calls

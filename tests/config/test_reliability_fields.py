@@ -220,7 +220,7 @@ FIELDS: dict[str, Any] = {
     "autotune.seeds": Tune(lambda r: len(r["seed_losses"]) == 2, "2 baseline quality runs (default 3)"),
     "autotune.quality_steps": Shown(
         "tests/cli/test_autotune_cli.py::test_tune_the_example_script_then_train_with_the_plan",
-        "quality runs train quality_steps steps (autotune/loop.py quality())"),
+        "quality runs train quality_steps steps (autotune/loop.py _Tuning.quality)"),
     "autotune.trial_steps": Tune(lambda r: r["trial_steps"] == [3], "each trial times 3 steps (default 10)"),
     "autotune.warmup_steps": Tune(lambda r: r["trial_warmup"] == [1], "trials leave 1 step out (default 2)"),
     "autotune.val_batches": Tune(lambda r: r["val_batches"] == [1, 2] and len(set(r["val_by_batches"])) == 2
