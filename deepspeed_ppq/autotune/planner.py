@@ -111,7 +111,9 @@ class PlanningProblem:
         step_fixed_bytes: bytes per stage around the optimizer step that do not scale with its parameters
             (tensors the engine keeps from the last micro-batch); calibrated.
         activation_scale: measured over profiled activation and pipe-buffer bytes (the engine keeps
-            copies of received activations, outputs until they are sent, ...); calibrated.
+            copies of received activations, outputs until they are sent, ...); calibrated: the largest
+            ratio measured at any micro-batch size.
+        activation_scales: the same ratio per micro-batch size measured (``activation_scale_for``).
     """
 
     layers: list[LayerProfile]
@@ -136,6 +138,17 @@ class PlanningProblem:
     step_transient_bytes_per_param: float = 0.0
     step_fixed_bytes: float = 0.0
     activation_scale: float = 1.0
+    activation_scales: dict[int, float] = field(default_factory=dict)
+
+    def activation_scale_for(self, micro_batch_size: int) -> float:
+        """The activation scale at a micro-batch size: the one measured there; else the one measured at
+        the largest smaller size (the engine's bytes beyond the profile are partly fixed per buffer, so
+        the ratio falls as micro-batches grow: the largest ratio, from micro-batch 1, had kept a stage of
+        micro-batch 4 out of a budget its measured peak fitted with 20% to spare); else the largest."""
+        if micro_batch_size in self.activation_scales:
+            return self.activation_scales[micro_batch_size]
+        below = [b for b in self.activation_scales if b < micro_batch_size]
+        return self.activation_scales[max(below)] if below else self.activation_scale
 
     @property
     def master_free_grad_bytes(self) -> int:
@@ -257,8 +270,9 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
     mem["activations"] = n_act * sum(kept) + transient
     grad_buf = layers[-1].output_bytes if c.last < len(prob.layers) else 0
     mem["comm_buffers"] = n_buf * b * (layers[0].input_bytes + layers[-1].output_bytes) + b * grad_buf
-    mem["activations"] = int(mem["activations"] * prob.activation_scale)
-    mem["comm_buffers"] = int(mem["comm_buffers"] * prob.activation_scale)
+    scale = prob.activation_scale_for(b)
+    mem["activations"] = int(mem["activations"] * scale)
+    mem["comm_buffers"] = int(mem["comm_buffers"] * scale)
     params = sum(layer.params for layer in layers)
     transient = prob.step_transient_bytes_per_param * params + prob.step_fixed_bytes
     mem["temporaries"] = int(max(0.0, transient - mem["activations"]))
@@ -434,8 +448,8 @@ def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) 
             continue
         done[held] = s
         n_act, n_buf = held
-        act = (n_act * act_opt + transient_opt) * prob.activation_scale
-        bufs = (n_buf * buf_per + grad_buf) * prob.activation_scale
+        act = (n_act * act_opt + transient_opt) * prob.activation_scale_for(b)
+        bufs = (n_buf * buf_per + grad_buf) * prob.activation_scale_for(b)
         mem = static_opt + np.maximum(act, step_transient) + bufs  # [O, N, N]
         mem = np.where(valid, mem, _INF)
         min_mem[s] = mem.min(axis=0)

@@ -607,3 +607,31 @@ def test_stock_final_picks_the_lowest_median_not_a_lucky_trial():
     best = _stock_final(_Tuning(Runner(), AutotuneConfig(ab_repeats=0), global_batch=8), fits)
     assert best["plan"]["notes"] == ["lucky"]
     assert not calls
+
+
+def test_activation_scale_is_fitted_per_micro_batch_size():
+    """The memory model's activation scale is kept per micro-batch size measured: a size without a trial
+    takes the scale of the largest smaller size measured (the engine's extra bytes are partly fixed per
+    buffer: the ratio falls as micro-batches grow), and the largest ratio only below every measured one."""
+    from deepspeed_ppq.autotune.calibrate import calibrate_memory, predict
+
+    prob = _problem(5, 8, world_size=2, global_batch=8, pipeline_degrees=[2], micro_batch_sizes=[1, 2, 4],
+                    allow_recompute=False)
+    plans = {b: plan_pipeline(dataclasses.replace(prob, micro_batch_sizes=[b])) for b in (1, 2, 4)}
+    unscaled = {b: predict(prob, plans[b])["memory"] for b in plans}
+
+    def run(b: int, ratio: float) -> dict:
+        return {"stages": [{"measured_memory": {"total": sum(m.values()), "phases": {
+            "pipeline": {"activations": ratio * (m["activations"] + m["comm_buffers"])}}}}
+            for m in unscaled[b]]}
+
+    cal = calibrate_memory(prob, [(plans[1], run(1, 1.9)), (plans[2], run(2, 1.4))])
+    assert cal["activation_scale"] == pytest.approx(1.9)
+    assert cal["activation_scales"] == pytest.approx({1: 1.9, 2: 1.4})
+    assert [prob.activation_scale_for(b) for b in (1, 2, 3, 4)] == pytest.approx([1.9, 1.4, 1.4, 1.4])
+    scaled = predict(prob, plans[4])["memory"]
+    for m, m0 in zip(scaled, unscaled[4]):
+        assert m["activations"] == pytest.approx(1.4 * m0["activations"], abs=1)
+    # a smaller size than any measured takes the largest ratio
+    prob.activation_scales = {2: 1.4}
+    assert prob.activation_scale_for(1) == pytest.approx(1.9)
