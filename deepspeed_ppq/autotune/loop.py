@@ -530,9 +530,9 @@ def _against_stock(t: _Tuning, stock: _StockSearch, accepted: tuple | None) -> _
     same = accepted is not None and same_configuration(accepted[0], base)
     if same:
         t.note("the tuned plan is the best stock configuration itself: nothing to gain over it")
-        ab["baseline"].append(accepted[1]["measured_step_time"])  # every trial of the configuration
-    if accepted is None or same:
-        base.measured_step_time = statistics.median(ab["baseline"])
+    if accepted is None or same:  # every trial of the configuration, the accepted iteration's too
+        base.measured_step_time = statistics.median(
+            ab["baseline"] + ([accepted[1]["measured_step_time"]] if same else []))
         base.measured_memory = [st["measured_memory"] for st in base_run["stages"]]
         return _Outcome(base, "baseline", ab, base, base_run)
     plan, run = accepted
