@@ -358,6 +358,14 @@ def _search_stock(t: _Tuning, problem: PlanningProblem) -> _StockSearch:
         stop = f"{len(measured)} stock trials, the cap ({_STOCK_TRIAL_CAP} x stock_trials)"
     t.note(f"stock search: {len(measured)} configurations measured; stopped: {stop}")
     fits = [m for m in measured if m["fits"]]
+    smallest = min(cands, key=lambda c: max(sp.peak_memory for sp in c.stages))
+    if not fits and smallest.notes[0] not in tried:
+        # none fits: the configuration the model puts smallest is measured too (the refitted model can
+        # have put it over the budget after a larger one measured over: at the budget where only
+        # micro-batch 1 fits, by its own measured peak, it was never run); it fits, or it is the quality
+        # reference
+        measure_stock(smallest)
+        fits = [m for m in measured if m["fits"]]
     if fits:
         # the global batch is the same for every candidate: the fastest step is the most samples per second
         best = _stock_final(t, fits)
@@ -366,8 +374,6 @@ def _search_stock(t: _Tuning, problem: PlanningProblem) -> _StockSearch:
     else:
         # stock DeepSpeed cannot train at this budget: the stock configuration with the smallest measured
         # peak (run over the budget) is the quality reference; no speedup can be claimed over it
-        if not measured:
-            measure_stock(min(cands, key=lambda c: max(sp.peak_memory for sp in c.stages)))
         best = min(measured, key=lambda m: m["run"]["peak_memory"])
         t.note(f"stock DeepSpeed cannot train at this budget: the smallest measured stock configuration, "
                f"{best['plan']['notes'][0]}, peaks at {fmt_mib(best['run']['peak_memory'])} "

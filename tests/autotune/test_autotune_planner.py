@@ -635,3 +635,60 @@ def test_activation_scale_is_fitted_per_micro_batch_size():
     # a smaller size than any measured takes the largest ratio
     prob.activation_scales = {2: 1.4}
     assert prob.activation_scale_for(1) == pytest.approx(1.9)
+
+
+def test_stock_search_measures_the_smallest_configuration_when_none_fits():
+    """When every stock configuration measured breaks the budget, the one the model predicts smallest is
+    measured too, although the model refitted to those trials puts it over: it fits by its own measured
+    peak, and it is the baseline (it had never been run, and stock was said not to train there)."""
+    from deepspeed_ppq.autotune.costs import NO_CODEC
+    from deepspeed_ppq.autotune.loop import _search_stock, _Tuning
+    from deepspeed_ppq.autotune.planner import stock_candidates
+    from deepspeed_ppq.autotune.runner import Profile, StageMeasurement, TrialResult
+    from deepspeed_ppq.config import AutotuneConfig
+    from deepspeed_ppq.integrations.model_layers import deepspeed_partitions
+
+    layers = _problem(7, 8, world_size=2, global_batch=8).layers
+    cuts = {p: deepspeed_partitions([layer.params for layer in layers], p) for p in (1, 2)}
+    profile = Profile(layers=layers, codecs=[NO_CODEC], link=LinkModel(latency_s=1e-4, bandwidth_Bps=1e8),
+                      optimizer_costs={"adam": 1e-9, "adam8bit": 2e-9})
+    settings = AutotuneConfig(ab_repeats=0, stock_trials=2)
+    runs = []
+
+    class Runner:
+        world_size = 2
+
+        def log(self, msg):
+            pass
+
+        def stock_partitions(self, p):
+            return cuts[p]
+
+        def run_trial(self, plan, settings, seed=0, steps=None, timing_only=False):
+            runs.append(plan.notes[0])
+            # the first (the fastest) measures twice its prediction, around the optimizer step too; the
+            # others as predicted
+            f = 2 if not runs[:-1] else 1
+            stages = []
+            for i, pred in enumerate(predicted[plan.notes[0]]):
+                total = f * sum(pred.values())
+                stages.append(StageMeasurement(i, {"ForwardPass": 0.01}, {"total": total, "phases": {
+                    "pipeline": {"activations": pred["activations"] + pred["comm_buffers"]},
+                    "step": {"total": total}}}))
+            return TrialResult([0.1, 0.1, 0.1], 1, 1.0, stages)
+
+    t = _Tuning(Runner(), settings, global_batch=8, profile=profile)
+    from deepspeed_ppq.autotune.calibrate import predict
+
+    cands = stock_candidates(t.problem(), cuts)
+    predicted = {c.notes[0]: predict(t.problem(), c)["memory"] for c in cands}
+    # the fastest may fit by the prediction: it is measured first, comes out over, and the model refitted
+    # to it puts every configuration over
+    fastest = min(cands, key=lambda c: c.predicted_step_time)
+    settings.memory_budget = int(max(sp.peak_memory for sp in fastest.stages) / 1.05)
+    stock = _search_stock(t, t.problem())
+    smallest = min(stock.candidates, key=lambda c: max(sp.peak_memory for sp in c.stages))  # refitted
+    assert len(runs) == 2 and runs[0] != runs[1] == smallest.notes[0]
+    assert any(x.startswith("stock search: 1 configurations measured; stopped: every stock candidate")
+               for x in t.log)
+    assert stock.fits and stock.best["plan"]["notes"] == smallest.notes
