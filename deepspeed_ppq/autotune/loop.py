@@ -248,7 +248,7 @@ class _Tuning:
     runner: TuningRunner
     settings: Any
     global_batch: int
-    fingerprint: str = ""
+    fingerprint: dict = dataclasses.field(default_factory=dict)
     profile: Profile | None = None
     log: list[str] = dataclasses.field(default_factory=list)
 
