@@ -121,6 +121,8 @@ class DequantLinearFunction(torch.autograd.Function):
             g2 = grad_y.reshape(-1, grad_y.shape[-1])  # [N, out]
             x2 = x.reshape(-1, x.shape[-1])  # [N, in]
             if layer.master_free:
+                if layer.weight_grad is None and layer.grad_bucket is not None:
+                    layer.grad_bucket.allocate()  # every layer of the bucket: views of one flat buffer
                 if layer.weight_grad is None:
                     layer.weight_grad = torch.zeros(
                         layer.qweight.shape, dtype=layer.grad_dtype, device=layer.qweight.qdata.device
@@ -204,6 +206,7 @@ class QuantLinear(nn.Module):
             raise ValueError(f"master='none' needs an 8-bit format ({allowed}), got fmt={fmt.value!r}")
         self.sr_seed = int(sr_seed)
         self.weight_grad: torch.Tensor | None = None  # master-free: accumulated weight gradient
+        self.grad_bucket = None  # master-free: the flat buffer its gradient is a view of (attach_master_free)
         self.grad_dtype = torch.bfloat16 if cfg.grad_dtype == "bf16" else torch.float32
         self.optim_state: dict[str, torch.Tensor] = {}  # master-free: AdamW moments (fp32 or 8-bit)
         self.optim_step = 0
