@@ -363,6 +363,11 @@ def _pipeline_rank() -> None:
             ropt.step()
             out["reference"].append(loss.item())
     write_result(out)
+    # Rank 1 waits for rank 0's reference run and both leave the group together: a rank that exited
+    # while its peer still held the gloo connections once aborted in teardown ("terminate called
+    # without an active exception", exit -6) after its result was written.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.distributed
