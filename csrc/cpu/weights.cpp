@@ -7,9 +7,9 @@
 // * One pass over memory. A block (<= 4096 values, <= 16 KiB fp32) is read once from DRAM; the absmax
 //   loop and the encode loop then run on L1-resident data. Blocks are independent, so OpenMP splits
 //   them statically across torch's thread count (one contiguous range of blocks, one stream, per thread).
-//   The AVX2 encode prefetches the next chunk's input: only the absmax loop reads memory, and without
-//   the prefetch the encode's time added to the read's (with it, 1-thread fp32 quantize went from
-//   0.54-0.61x a copy's bandwidth to 0.81-0.93x for int8, int4 and fp8, NF4 0.38 -> 0.6).
+//   The encode loops prefetch the input 4096 values ahead (kAhead): only the absmax loop reads memory,
+//   and without the prefetch the encode's time added to the read's (with it, AVX2 1-thread fp32 quantize
+//   went from 0.54-0.61x a copy's bandwidth to 0.81-0.93x for int8, int4 and fp8, NF4 0.38 -> 0.6).
 // * Per ISA (isa.h): full blocks (all but a partial last one; a multiple of 16 values) take explicit
 //   AVX-512 or AVX2 loops (namespace avx, one per module, same names) that read fp32 or bf16 straight
 //   from the input, bf16 widened in-register.
@@ -599,8 +599,32 @@ PPQ_ALWAYS_INLINE inline void prefetch_next(const uint16_t* p) { _mm_prefetch(re
 // mult[b]: encode_full_block()'s codes for each block in one loop, without a call, a switch and constant
 // set-up per block (the AVX2 path's encode_run; at 64 values per block those cost as much as the codes).
 // code16(y) gives 16 codes, one per 32-bit lane.
+//
+// bf16 input goes 32 values per load: the even-indexed values are the 32-bit lanes shifted left by 16,
+// the odd-indexed ones the lanes with their low half cleared, so the codes of values 2i and 2i + 1 sit
+// in lane i of two vectors. A nibble pair is then a shift and an or, 16 bytes one vpmovdb; two byte codes
+// make a word (one vpmovdw per 32). Two widening loads and the 64-bit-lane nibble packing per 16 values
+// had held the bf16 quantizers at 0.45-0.53x a copy (int4, FP8) and NF4 at 0.38.
 template <typename T, bool NIBBLES, typename Code>
 PPQ_ALWAYS_INLINE inline void encode_run(const T* x, int64_t len, int lgB, const float* mult, uint8_t* out, Code code16) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u)), low_byte = _mm512_set1_epi32(0xff);
+    for (int64_t i = 0; i < len; i += 32) {
+      prefetch_next(x + i + kAhead);
+      const __m512i w = _mm512_loadu_si512(x + i);
+      // lanes 0-7 hold values 0-15, lanes 8-15 values 16-31 (another block when B = 16)
+      const __m512 m = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(mult[i >> lgB]), _mm512_set1_ps(mult[(i + 16) >> lgB]));
+      const __m512i a = code16(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), m));
+      const __m512i b = code16(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(w, high)), m));
+      if constexpr (NIBBLES) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i / 2), _mm512_cvtepi32_epi8(_mm512_or_si512(_mm512_slli_epi32(a, 4), b)));
+      } else {  // (b << 8) | (a & 0xff): int8 codes are negative in 32 bits
+        const __m512i pair = _mm512_ternarylogic_epi32(_mm512_slli_epi32(b, 8), a, low_byte, 0xf8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(pair));
+      }
+    }
+    return;
+  }
   for (int64_t i = 0; i < len; i += 32) {
     prefetch_next(x + i + kAhead);
     const __m512i a = code16(_mm512_mul_ps(load16(x + i), _mm512_set1_ps(mult[i >> lgB])));
