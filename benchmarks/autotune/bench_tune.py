@@ -255,7 +255,8 @@ def why_stock_stays(rows: list[dict]) -> list[str]:
     for x in rows:
         if x.get("outcome") != "baseline" or not x.get("stock_compromises"):
             continue
-        lines = [line for line in x.get("log", []) if line.startswith(("iteration", "runner-up"))
+        tries = ("iteration", "runner-up", "memory probe")
+        lines = [line for line in x.get("log", []) if line.startswith(tries)
                  or "the stock configuration is the plan" in line]
         out += [f"- {x['budget_mb']:g} MiB:", *[f"    {line}" for line in lines]]
     if out:

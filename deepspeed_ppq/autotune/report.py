@@ -177,7 +177,8 @@ def format_report(result: dict) -> str:
     lines += _plan_section(title, base["plan"], base["run"], budget)
     for rec in result["iterations"]:
         verdict = "accepted" if rec["accepted"] else f"rejected ({rec.get('back_off') or 'over budget'})"
-        what = "Runner-up (another schedule)" if rec.get("runner_up") else "Iteration"
+        what = ("Runner-up (another schedule)" if rec.get("runner_up") else
+                "Memory probe (predicted over the budget)" if rec.get("memory_probe") else "Iteration")
         lines += _plan_section(f"{what} {rec['iteration']}: {verdict}", rec["plan"], rec["run"], budget)
         lines += [f"Quality: {rec['quality']}", ""]
     errs = memory_errors(result)

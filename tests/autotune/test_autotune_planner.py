@@ -692,3 +692,54 @@ def test_stock_search_measures_the_smallest_configuration_when_none_fits():
     assert any(x.startswith("stock search: 1 configurations measured; stopped: every stock candidate")
                for x in t.log)
     assert stock.fits and stock.best["plan"]["notes"] == smallest.notes
+
+
+def test_memory_probe_measures_a_plan_predicted_just_over_the_budget():
+    """After a plan is accepted, the best plan under a budget ``MEMORY_PROBE`` wider is measured when the
+    model predicts it faster: it replaces the accepted plan when its measured peak fits the user's
+    budget and it runs faster; measured over the budget, the accepted plan stays. With no faster plan
+    in the wider budget nothing is measured."""
+    from types import SimpleNamespace
+
+    from deepspeed_ppq.autotune.loop import (
+        MEMORY_PROBE,
+        _make_gate,
+        _memory_probe,
+        _Tuning,
+        same_configuration,
+    )
+    from deepspeed_ppq.config import AutotuneConfig
+
+    free = plan_pipeline(_problem(4, 8, world_size=2, global_batch=8, pipeline_degrees=[1, 2]))
+    peak = max(st.peak_memory for st in free.stages)
+    budget = int(peak / (1 + MEMORY_PROBE / 2))  # the unconstrained plan is predicted ~5% over it
+    prob = _problem(4, 8, world_size=2, global_batch=8, pipeline_degrees=[1, 2], memory_budget=budget)
+    accepted = plan_pipeline(prob)
+    assert accepted.predicted_step_time > free.predicted_step_time  # the budget costs the model time
+
+    def tuning(measured_peak: float, step_time: float) -> tuple[_Tuning, list]:
+        t = _Tuning(SimpleNamespace(log=lambda msg: None),
+                    AutotuneConfig(memory_budget=budget, memory_tolerance=0.0), global_batch=8)
+        t.profile = SimpleNamespace(threads_per_rank=1)
+        measured = []
+
+        def measure(problem, plan, quality=False):
+            measured.append(plan)
+            run = {"measured_step_time": step_time, "peak_memory": measured_peak, "val_loss": 1.0}
+            return run, ([] if measured_peak <= budget else [f"stage 0 peak {measured_peak} > {budget}"])
+
+        t.measure, t.quality = measure, lambda plan, seed: 1.0
+        return t, measured
+
+    gate = _make_gate([1.0], 0.01)
+    run = {"measured_step_time": 0.200, "peak_memory": 0.9 * budget, "val_loss": 1.0}
+    for measured_peak, replaced in ((0.98 * budget, True), (1.03 * budget, False)):
+        t, measured = tuning(measured_peak, 0.150)
+        iterations = [{"iteration": 0, "accepted": True}]
+        plan, _ = _memory_probe(t, prob, (accepted, run), gate, iterations)
+        assert len(measured) == 1 and same_configuration(measured[0], free)
+        assert (plan is measured[0]) == replaced and iterations[-1]["memory_probe"]
+        assert iterations[0]["accepted"] != replaced and iterations[-1]["accepted"] == replaced
+        assert t.log[-1].startswith("memory probe (predicted over the budget)")
+    t, measured = tuning(0.5 * budget, 0.150)  # the unconstrained plan accepted: nothing faster to probe
+    assert _memory_probe(t, prob, (free, run), gate, [])[0] is free and not measured
