@@ -650,6 +650,10 @@ def plan_pipeline(prob: PlanningProblem, exclude: frozenset[tuple[int, int]] = f
     """
     t0 = time.perf_counter()
     space = [k for k in _knob_space(prob) if (k.pipeline_degree, k.micro_batch_size) not in exclude]
+    if not space:
+        raise InfeasibleBudgetError(
+            "no knob setting is left to plan: every (pipeline degree, micro-batch size) pair the problem "
+            f"allows is excluded ({sorted(exclude)})")
     best, cache = None, {}
     for k in space:
         samples = k.global_batch_per_replica * (prob.world_size // k.pipeline_degree)

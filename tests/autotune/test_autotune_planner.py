@@ -743,3 +743,13 @@ def test_memory_probe_measures_a_plan_predicted_just_over_the_budget():
         assert t.log[-1].startswith("memory probe (predicted over the budget)")
     t, measured = tuning(0.5 * budget, 0.150)  # the unconstrained plan accepted: nothing faster to probe
     assert _memory_probe(t, prob, (free, run), gate, [])[0] is free and not measured
+
+
+def test_excluding_every_schedule_is_an_infeasible_plan_not_a_crash():
+    """A runner-up asked of a problem with a single schedule (one pipeline degree, one micro-batch size)
+    has nothing left to plan: ``plan_pipeline`` says so with InfeasibleBudgetError, which the tuning loop
+    takes as "no runner-up"."""
+    prob = _problem(4, 6, world_size=2, global_batch=8, pipeline_degrees=[2], micro_batch_sizes=[2])
+    best = plan_pipeline(prob)
+    with pytest.raises(InfeasibleBudgetError, match=r"every \(pipeline degree, micro-batch size\) pair"):
+        plan_pipeline(prob, exclude=frozenset({(best.pipeline_degree, best.micro_batch_size)}))
