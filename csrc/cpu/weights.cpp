@@ -243,10 +243,15 @@ inline void store(Out* o, int64_t i, float v) {
 
 #if PPQ_ISA_AVX512
 inline void store16(float* o, __m512 x) { _mm512_storeu_ps(o, x); }
-inline void store16(uint16_t* o, __m512 x) {  // 16 x fp32 -> bf16, round to nearest even as f32_to_bf16
+// 16 x fp32 -> bf16 bits in the low half of each 32-bit lane, round to nearest even as f32_to_bf16, for
+// values that are not NaN (store16 adds the NaN select).
+inline __m512i bf16_bits16(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+}
+inline void store16(uint16_t* o, __m512 x) {  // 16 x fp32 -> bf16, round to nearest even as f32_to_bf16
+  __m512i r = bf16_bits16(x);
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(r));
 }
@@ -315,6 +320,12 @@ struct Fp8Mantissas {
   }
 };
 const Fp8Mantissas kE4M3Mantissas{true}, kE5M2Mantissas{false};
+
+// The scales for which the bf16-out table decode (AVX2 and AVX-512) is exact: every result stays a normal
+// bf16.
+inline bool fp8_bf16_table_exact(bool e4, float s) {
+  return s >= (e4 ? 0x1p-120f : 0x1p-112f) && s < (e4 ? 0x1p119f : 0x1p112f);
+}
 #endif
 
 #if PPQ_ISA_AVX512
@@ -510,16 +521,13 @@ void encode_full_block(const T* x, int64_t len, Fmt f, float mult, uint8_t* code
 // an fp32 multiply and a rounding per value, had held this at 0.44-0.49x a copy.)
 template <bool E4M3>
 bool fp8_bf16_words(const uint8_t* codes, int64_t len, float s, uint16_t* o) {
-  if (!(s >= (E4M3 ? 0x1p-120f : 0x1p-112f) && s < (E4M3 ? 0x1p119f : 0x1p112f))) return false;
+  if (!fp8_bf16_table_exact(E4M3, s)) return false;
   constexpr int mbits = E4M3 ? 3 : 2, bias = E4M3 ? 7 : 15;
   const Fp8Mantissas& t = E4M3 ? kE4M3Mantissas : kE5M2Mantissas;
   const __m512 vs = _mm512_set1_ps(s);
   const __m512 prod = _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(_mm256_load_ps(t.normal)),
                                                        _mm256_load_ps(t.subnormal), 1), vs);
-  const __m512i u = _mm512_castps_si512(prod);  // finite, so store16's rounding without its NaN select
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-  const __m512i table = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(r));  // words 0..15
+  const __m512i table = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(bf16_bits16(prod)));  // words 0..15; finite
   const __m512i mmask = _mm512_set1_epi16((1 << mbits) - 1), emask = _mm512_set1_epi16(E4M3 ? 15 : 31);
   const __m512i eight = _mm512_set1_epi16(8), vbias = _mm512_set1_epi16(bias), sbit = _mm512_set1_epi16(0x80);
   const __m512i bf16_nan = _mm512_set1_epi16(0x7fc0);
@@ -623,18 +631,18 @@ PPQ_ALWAYS_INLINE inline void encode_run(const T* x, int64_t len, int lgB, const
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(pair));
       }
     }
-    return;
-  }
-  for (int64_t i = 0; i < len; i += 32) {
-    prefetch_next(x + i + kAhead);
-    const __m512i a = code16(_mm512_mul_ps(load16(x + i), _mm512_set1_ps(mult[i >> lgB])));
-    const __m512i b = code16(_mm512_mul_ps(load16(x + i + 16), _mm512_set1_ps(mult[(i + 16) >> lgB])));
-    if constexpr (NIBBLES) {
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2), pack_nibbles(a));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2 + 8), pack_nibbles(b));
-    } else {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(a));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i + 16), _mm512_cvtepi32_epi8(b));
+  } else {
+    for (int64_t i = 0; i < len; i += 32) {
+      prefetch_next(x + i + kAhead);
+      const __m512i a = code16(_mm512_mul_ps(load16(x + i), _mm512_set1_ps(mult[i >> lgB])));
+      const __m512i b = code16(_mm512_mul_ps(load16(x + i + 16), _mm512_set1_ps(mult[(i + 16) >> lgB])));
+      if constexpr (NIBBLES) {
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2), pack_nibbles(a));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2 + 8), pack_nibbles(b));
+      } else {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(a));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i + 16), _mm512_cvtepi32_epi8(b));
+      }
     }
   }
 }
@@ -1033,7 +1041,7 @@ void decode_full_block(const uint8_t* codes, int64_t len, Fmt f, float s, Out* o
         // exponent add). Exact as long as every such result stays a normal bf16: s in [2^-120, 2^119)
         // (e4m3; e5m2 [2^-112, 2^112)); other scales take the general decode below. NaN codes: 0x7fc0.
         const bool e4 = f == Fmt::E4M3;
-        if (s >= (e4 ? 0x1p-120f : 0x1p-112f) && s < (e4 ? 0x1p119f : 0x1p112f)) {
+        if (fp8_bf16_table_exact(e4, s)) {
           const int mbits = e4 ? 3 : 2, bias = e4 ? 7 : 15;
           const Fp8Mantissas& t = e4 ? kE4M3Mantissas : kE5M2Mantissas;
           const __m256i w = ppq::avx2::words16(  // [normal table | subnormal table], 8 words each
