@@ -460,6 +460,9 @@ def _plan_and_measure(t: _Tuning, problem: PlanningProblem, gate) -> tuple[list[
 
 RUNNER_UP_WITHIN = 0.25  # a runner-up predicted this much slower than the accepted plan is still measured
 MEMORY_PROBE = 0.10  # plans predicted up to this much over the planner's budget are measured too
+# the challengers of an accepted plan: their record's key -> (name, what they try)
+CHALLENGERS = {"runner_up": ("runner-up", "another schedule"),
+               "memory_probe": ("memory probe", "predicted over the budget")}
 
 
 def _challenge(t: _Tuning, problem: PlanningProblem, accepted: tuple, alt: Plan, gate, iterations: list[dict],
@@ -477,17 +480,15 @@ def _challenge(t: _Tuning, problem: PlanningProblem, accepted: tuple, alt: Plan,
     keep = faster and ok_q
     rec = {"iteration": len(iterations), "plan": alt.to_dict(), "run": alt_run, "over_budget": over,
            "quality": why, "accepted": keep, kind: True}
-    label = {"runner_up": "runner-up (another schedule)",
-             "memory_probe": "memory probe (predicted over the budget)"}[kind]
+    name, what = CHALLENGERS[kind]
     if keep:  # the plan accepted before gives way
         for r in iterations:
             if r["accepted"]:
-                r.update(accepted=False, back_off=f"the {label.split(' (')[0]} ran faster")
+                r.update(accepted=False, back_off=f"the {name} ran faster")
     else:
-        rec["back_off"] = f"{label.split(' (')[0]}: " + ("over budget" if over else "quality gate" if faster
-                                                          else "slower")
+        rec["back_off"] = f"{name}: " + ("over budget" if over else "quality gate" if faster else "slower")
     iterations.append(rec)
-    t.note(f"{label}: micro-batch {alt.micro_batch_size} x {alt.num_microbatches} on "
+    t.note(f"{name} ({what}): micro-batch {alt.micro_batch_size} x {alt.num_microbatches} on "
            f"{alt.pipeline_degree} stage(s), formats {sorted(set(alt.layer_formats))}, 8-bit Adam "
            f"{alt.optimizer_8bit}, recompute {alt.recompute_label}: "
            f"predicted {alt.predicted_step_time * 1e3:.1f} ms, measured "

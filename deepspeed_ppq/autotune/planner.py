@@ -440,6 +440,7 @@ def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) 
     opt_tab = np.full((p, N, N), -1, dtype=np.int64)
     min_mem = np.full((p, N, N), _INF)
     budget = _INF if prob.memory_budget is None else float(prob.memory_budget)
+    scale = prob.activation_scale_for(b)
     done: dict[tuple[int, int], int] = {}
     for s in range(p):
         held = _inflight(k.schedule, p, s, k.num_microbatches)
@@ -448,8 +449,8 @@ def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) 
             continue
         done[held] = s
         n_act, n_buf = held
-        act = (n_act * act_opt + transient_opt) * prob.activation_scale_for(b)
-        bufs = (n_buf * buf_per + grad_buf) * prob.activation_scale_for(b)
+        act = (n_act * act_opt + transient_opt) * scale
+        bufs = (n_buf * buf_per + grad_buf) * scale
         mem = static_opt + np.maximum(act, step_transient) + bufs  # [O, N, N]
         mem = np.where(valid, mem, _INF)
         min_mem[s] = mem.min(axis=0)

@@ -13,6 +13,7 @@ import statistics
 from pathlib import Path
 
 from deepspeed_ppq.autotune.ladder import stage_compute
+from deepspeed_ppq.autotune.loop import CHALLENGERS
 from deepspeed_ppq.autotune.memory import CATEGORIES, MIB
 from deepspeed_ppq.autotune.plan import Plan
 
@@ -177,8 +178,8 @@ def format_report(result: dict) -> str:
     lines += _plan_section(title, base["plan"], base["run"], budget)
     for rec in result["iterations"]:
         verdict = "accepted" if rec["accepted"] else f"rejected ({rec.get('back_off') or 'over budget'})"
-        what = ("Runner-up (another schedule)" if rec.get("runner_up") else
-                "Memory probe (predicted over the budget)" if rec.get("memory_probe") else "Iteration")
+        kind = next((k for k in CHALLENGERS if rec.get(k)), None)
+        what = f"{CHALLENGERS[kind][0].capitalize()} ({CHALLENGERS[kind][1]})" if kind else "Iteration"
         lines += _plan_section(f"{what} {rec['iteration']}: {verdict}", rec["plan"], rec["run"], budget)
         lines += [f"Quality: {rec['quality']}", ""]
     errs = memory_errors(result)

@@ -142,8 +142,8 @@ def master_free_layers(model: nn.Module) -> list:
 
 class GradBucket:
     """The gradient buffers of a set of master-free layers as views of one flat buffer per (dtype, device),
-    allocated together when the first of them needs one (at its first backward): one all-reduce and one
-    ``zero_`` per step for all of them. Layers whose buffer existed before are left as they are."""
+    allocated together when the first of them needs one (at its first backward): one all-reduce per step
+    for all of them. Layers whose buffer existed before are left as they are."""
 
     def __init__(self, layers: list):
         self.layers = list(layers)
