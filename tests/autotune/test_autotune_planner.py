@@ -610,9 +610,10 @@ def test_stock_final_picks_the_lowest_median_not_a_lucky_trial():
 
 
 def test_activation_scale_is_fitted_per_micro_batch_size():
-    """The memory model's activation scale is kept per micro-batch size measured: a size without a trial
-    takes the scale of the largest smaller size measured (the engine's extra bytes are partly fixed per
-    buffer: the ratio falls as micro-batches grow), and the largest ratio only below every measured one."""
+    """The memory model's activation scale is kept per micro-batch size measured. A size without a trial
+    holds the bytes beyond the profile fixed (the engine's extra bytes are mostly per buffer: the ratio
+    falls as micro-batches grow): 1 + (r - 1) * m / b from the largest smaller size m measured, and below
+    every measured size from the smallest, at least the largest ratio."""
     from deepspeed_ppq.autotune.calibrate import calibrate_memory, predict
 
     prob = _problem(5, 8, world_size=2, global_batch=8, pipeline_degrees=[2], micro_batch_sizes=[1, 2, 4],
@@ -628,13 +629,19 @@ def test_activation_scale_is_fitted_per_micro_batch_size():
     cal = calibrate_memory(prob, [(plans[1], run(1, 1.9)), (plans[2], run(2, 1.4))])
     assert cal["activation_scale"] == pytest.approx(1.9)
     assert cal["activation_scales"] == pytest.approx({1: 1.9, 2: 1.4})
-    assert [prob.activation_scale_for(b) for b in (1, 2, 3, 4)] == pytest.approx([1.9, 1.4, 1.4, 1.4])
+    assert [prob.activation_scale_for(b) for b in (1, 2, 3, 4, 8)] == pytest.approx(
+        [1.9, 1.4, 1 + 0.4 * 2 / 3, 1.2, 1.1])
     scaled = predict(prob, plans[4])["memory"]
     for m, m0 in zip(scaled, unscaled[4]):
-        assert m["activations"] == pytest.approx(1.4 * m0["activations"], abs=1)
-    # a smaller size than any measured takes the largest ratio
-    prob.activation_scales = {2: 1.4}
-    assert prob.activation_scale_for(1) == pytest.approx(1.9)
+        assert m["activations"] == pytest.approx(1.2 * m0["activations"], abs=1)
+    # below every measured size: the fixed extra bytes from the smallest, at least the largest ratio
+    prob.activation_scale, prob.activation_scales = 1.5, {2: 1.4}
+    assert prob.activation_scale_for(1) == pytest.approx(1.8)
+    prob.activation_scales = {4: 1.1}
+    assert prob.activation_scale_for(2) == pytest.approx(1.5)
+    # a ratio at or below 1 is kept as it is
+    prob.activation_scales = {2: 0.95}
+    assert prob.activation_scale_for(4) == pytest.approx(0.95)
 
 
 def test_stock_search_measures_the_smallest_configuration_when_none_fits():
