@@ -31,7 +31,10 @@
 //   block's multiplier broadcast from an array (encode_full_run), the next chunk prefetched. At 64 values
 //   per block, the per-block call, format switch and constant set-up had cost about as much as the
 //   encoding (AVX-512, Zen 5, fp32 in: int4 and NF4 0.50 -> 0.67-0.69x copy, fp8 0.42-0.52 -> 0.74-0.77
-//   with the run loop). fp8 runs whose blocks are all finite skip the NaN select.
+//   with the run loop). fp8 runs whose blocks are all finite skip the NaN select; int4 and NF4 runs
+//   whose blocks are finite with normal (or zero) scales skip the clamp (AVX-512: |x / s| stays within
+//   Q (1 + 2^-8) even with a bf16 scale, so int4 rounds into [-7, 7] and takes both +8s of a byte in
+//   one add, and NF4's bin is one add and a truncation, kHalfBins).
 // * AVX2 bf16 out: fp8 decodes 16 codes per vector in 16-bit lanes with no float arithmetic per value.
 //   bf16(value * s) depends on a normal code's exponent only through a power of two, so per block two
 //   8-word tables (bf16 of the mantissas at the bias exponent, and of the subnormal codes, times s) are
@@ -136,6 +139,32 @@ struct NF4Bins {
   }
 };
 constexpr NF4Bins kBins{};
+// The bins of the AVX-512 encode of runs whose 16 y are known to lie within +-16.5 (finite values and a
+// normal or zero scale: |y| <= 1 + 2^-8 even with a bf16 scale): bin j = the truncation of
+// t = fl(16 y + 15.5), [j - 15.5, j - 14.5) with bin 0 open below and bin 31 above, so one add and one
+// truncating conversion give an index in [0, 31] with no clamp (t > -1 truncates to 0; t < 32). t is
+// rounded (by <= 2^-20), so a value that close to an edge may land in the bin beside it; its code is
+// still the search's, since no midpoint lies within 2^-16 of an edge (checked here).
+struct NF4HalfBins {
+  int32_t base[32];
+  float mid16[32];
+  constexpr NF4HalfBins() : base{}, mid16{} {
+    for (int j = 0; j < 32; ++j) {
+      const float lo = j == 0 ? -INFINITY : j - 15.5f, hi = j == 31 ? INFINITY : j - 14.5f;
+      mid16[j] = INFINITY;
+      for (int i = 0; i < 15; ++i) {
+        const float m = 16.0f * kMid.v[i];
+        if (m < lo) base[j] += 1;
+        if (m >= lo && m < hi) {
+          if (mid16[j] != INFINITY) throw "two NF4 midpoints in one bin";  // fails the constant evaluation
+          mid16[j] = m;
+        }
+        if (j > 0 && m - lo < 0x1p-16f && lo - m < 0x1p-16f) throw "an NF4 midpoint at a bin edge";
+      }
+    }
+  }
+};
+constexpr NF4HalfBins kHalfBins{};
 // 16 x the 15 NF4 midpoints, in order (the AVX2 binary search).
 struct NF4Mid16 {
   float v[15];
@@ -377,10 +406,14 @@ inline void absmax_bits16(const T* p, int64_t B, uint32_t* out) {
   _mm512_storeu_si512(out, r);
 }
 
-// 16 codes in 0..15 (one per 32-bit lane) -> 8 bytes, (k[2i] << 4) | k[2i+1] in byte i.
-inline __m128i pack_nibbles(__m512i k) {
-  const __m512i pairs = _mm512_or_si512(_mm512_slli_epi64(k, 4), _mm512_srli_epi64(k, 32));
-  return _mm512_cvtepi64_epi8(pairs);  // low 8 bytes
+// 16 codes in 0..15 (one per 32-bit lane) -> 8 bytes, (k[2i] << 4) | k[2i+1] in byte i. BIAS: the codes
+// are k - BIAS / 17 (int4's signed codes, BIAS 0x88: both +8 in one add), so the byte is the low byte
+// of (k[2i] << 4) + k[2i+1] + BIAS.
+template <int BIAS = 0>
+PPQ_ALWAYS_INLINE inline __m128i pack_nibbles(__m512i k) {
+  const __m512i hi = _mm512_slli_epi64(k, 4), lo = _mm512_srli_epi64(k, 32);
+  if constexpr (BIAS == 0) return _mm512_cvtepi64_epi8(_mm512_or_si512(hi, lo));  // low 8 bytes
+  else return _mm512_cvtepi64_epi8(_mm512_add_epi64(_mm512_add_epi64(hi, lo), _mm512_set1_epi64(BIAS)));
 }
 
 
@@ -392,6 +425,14 @@ inline __m512i nf4_codes(__m512 y16) {
   const __m512i base = _mm512_permutex2var_epi32(_mm512_loadu_si512(kBins.base), j,
                                                  _mm512_loadu_si512(kBins.base + 16));
   const __m512 mid = _mm512_permutex2var_ps(_mm512_loadu_ps(kBins.mid16), j, _mm512_loadu_ps(kBins.mid16 + 16));
+  return _mm512_mask_add_epi32(base, _mm512_cmp_ps_mask(mid, y16, _CMP_LT_OQ), base, _mm512_set1_epi32(1));
+}
+// nf4_codes of y16 known to lie within +-16.5 (kHalfBins): no clamp, the bin by one add and a truncation.
+PPQ_ALWAYS_INLINE inline __m512i nf4_codes_bounded(__m512 y16) {
+  const __m512i j = _mm512_cvttps_epi32(_mm512_add_ps(y16, _mm512_set1_ps(15.5f)));
+  const __m512i base = _mm512_permutex2var_epi32(_mm512_loadu_si512(kHalfBins.base), j,
+                                                 _mm512_loadu_si512(kHalfBins.base + 16));
+  const __m512 mid = _mm512_permutex2var_ps(_mm512_loadu_ps(kHalfBins.mid16), j, _mm512_loadu_ps(kHalfBins.mid16 + 16));
   return _mm512_mask_add_epi32(base, _mm512_cmp_ps_mask(mid, y16, _CMP_LT_OQ), base, _mm512_set1_epi32(1));
 }
 
@@ -613,7 +654,10 @@ PPQ_ALWAYS_INLINE inline void prefetch_next(const uint16_t* p) { _mm_prefetch(re
 // in lane i of two vectors. A nibble pair is then a shift and an or, 16 bytes one vpmovdb; two byte codes
 // make a word (one vpmovdw per 32). Two widening loads and the 64-bit-lane nibble packing per 16 values
 // had held the bf16 quantizers at 0.45-0.53x a copy (int4, FP8) and NF4 at 0.38.
-template <typename T, bool NIBBLES, typename Code>
+//
+// NIB_BIAS (nibbles only): as pack_nibbles' BIAS, the codes are signed and the pair's byte is the low byte
+// of (a << 4) + b + NIB_BIAS.
+template <typename T, bool NIBBLES, typename Code, int NIB_BIAS = 0>
 PPQ_ALWAYS_INLINE inline void encode_run(const T* x, int64_t len, int lgB, const float* mult, uint8_t* out, Code code16) {
   if constexpr (std::is_same_v<T, uint16_t>) {
     const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u)), low_byte = _mm512_set1_epi32(0xff);
@@ -624,7 +668,10 @@ PPQ_ALWAYS_INLINE inline void encode_run(const T* x, int64_t len, int lgB, const
       const __m512 m = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(mult[i >> lgB]), _mm512_set1_ps(mult[(i + 16) >> lgB]));
       const __m512i a = code16(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), m));
       const __m512i b = code16(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(w, high)), m));
-      if constexpr (NIBBLES) {
+      if constexpr (NIBBLES && NIB_BIAS != 0) {
+        const __m512i pair = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(a, 4), b), _mm512_set1_epi32(NIB_BIAS));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i / 2), _mm512_cvtepi32_epi8(pair));
+      } else if constexpr (NIBBLES) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i / 2), _mm512_cvtepi32_epi8(_mm512_or_si512(_mm512_slli_epi32(a, 4), b)));
       } else {  // (b << 8) | (a & 0xff): int8 codes are negative in 32 bits
         const __m512i pair = _mm512_ternarylogic_epi32(_mm512_slli_epi32(b, 8), a, low_byte, 0xf8);
@@ -637,8 +684,8 @@ PPQ_ALWAYS_INLINE inline void encode_run(const T* x, int64_t len, int lgB, const
       const __m512i a = code16(_mm512_mul_ps(load16(x + i), _mm512_set1_ps(mult[i >> lgB])));
       const __m512i b = code16(_mm512_mul_ps(load16(x + i + 16), _mm512_set1_ps(mult[(i + 16) >> lgB])));
       if constexpr (NIBBLES) {
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2), pack_nibbles(a));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2 + 8), pack_nibbles(b));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2), pack_nibbles<NIB_BIAS>(a));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2 + 8), pack_nibbles<NIB_BIAS>(b));
       } else {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(a));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i + 16), _mm512_cvtepi32_epi8(b));
@@ -648,9 +695,18 @@ PPQ_ALWAYS_INLINE inline void encode_run(const T* x, int64_t len, int lgB, const
 }
 
 // The run's codes by format. For NF4, mult holds 16 / s (every block's <= 2^120: see encode_full_block).
-// finite: no value of the run is NaN or Inf (the fp8 formats then skip the NaN select).
+// finite: no value of the run is NaN or Inf (the fp8 formats then skip the NaN select). bounded: finite,
+// and every block's scale is normal or zero, so |x * mult| <= Q (1 + 2^-8) (a bf16 scale's rounding):
+// int4 rounds into [-7, 7] and NF4's 16 y lie within +-16.5 without a clamp.
 template <typename T>
-void encode_full_run(const T* x, int64_t len, int lgB, Fmt f, const float* mult, bool finite, uint8_t* codes) {
+void encode_full_run(const T* x, int64_t len, int lgB, Fmt f, const float* mult, bool finite, bool bounded,
+                     uint8_t* codes) {
+  if (bounded && f == Fmt::I4) {  // the +8 of both codes of a byte in one add of 0x88
+    auto code16 = [](__m512 y) PPQ_ALWAYS_INLINE { return _mm512_cvtps_epi32(y); };
+    return encode_run<T, true, decltype(code16), 0x88>(x, len, lgB, mult, codes, code16);
+  }
+  if (bounded && f == Fmt::NF4)
+    return encode_run<T, true>(x, len, lgB, mult, codes, [](__m512 y) PPQ_ALWAYS_INLINE { return nf4_codes_bounded(y); });
   switch (f) {
     case Fmt::I8: {
       const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
@@ -926,7 +982,8 @@ PPQ_ALWAYS_INLINE inline void encode_run_fp8_finite(const T* x, int64_t len, int
 // The run's codes by format. For NF4, mult holds 16 / s (every block's <= 2^124: see encode_full_block).
 // finite: no value of the run is NaN or Inf (the fp8 formats then skip the NaN select).
 template <typename T>
-void encode_full_run(const T* x, int64_t len, int lgB, Fmt f, const float* mult, bool finite, uint8_t* codes) {
+void encode_full_run(const T* x, int64_t len, int lgB, Fmt f, const float* mult, bool finite,
+                     [[maybe_unused]] bool bounded, uint8_t* codes) {
   if (finite && f == Fmt::E4M3) return encode_run_fp8_finite<T, true>(x, len, lgB, mult, codes);
   if (finite && f == Fmt::E5M2) return encode_run_fp8_finite<T, false>(x, len, lgB, mult, codes);
   switch (f) {
@@ -1226,8 +1283,11 @@ void quantize_impl(const at::Tensor& x, Fmt f, int64_t B, uint8_t* codes, const 
       bool finite = !given_scales;
       if (finite && per_tensor) finite = tensor_finite;
       else if (finite) for (int64_t j = 0; j < nbc; ++j) finite &= mb[j] < 0x7f800000u;
+      // bounded: finite and every scale normal or zero (encode_full_run)
+      bool bounded = finite;
+      for (int64_t j = 0; j < nbc; ++j) bounded &= sc[j] == 0.0f || sc[j] >= std::numeric_limits<float>::min();
       if (ok) {
-        avx::encode_full_run(xp + b0 * B, run, lgB, f, f == Fmt::NF4 ? m16 : mult, finite,
+        avx::encode_full_run(xp + b0 * B, run, lgB, f, f == Fmt::NF4 ? m16 : mult, finite, bounded,
                              codes + (packed4(f) ? b0 * B / 2 : b0 * B));
         continue;
       }

@@ -180,6 +180,37 @@ def test_nf4_midpoints_and_bin_edges_match_reference():
     assert torch.equal(codes, ref)
 
 
+def _blocks_with_anchor(vals: torch.Tensor, anchor: float, block: int = 64) -> torch.Tensor:
+    """vals in blocks of ``block`` - 1, each block led by ``anchor`` (its absmax, so its scale)."""
+    n = -(-vals.numel() // (block - 1)) * (block - 1)
+    body = torch.cat([vals, torch.zeros(n - vals.numel(), dtype=vals.dtype)]).view(-1, block - 1)
+    return torch.cat([torch.full((body.shape[0], 1), anchor, dtype=vals.dtype), body], dim=1).flatten()
+
+
+@pytest.mark.parametrize("fmt", ["int4", "nf4"])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_unclamped_runs_match_reference_at_every_edge(fmt, scale_dtype):
+    """Runs of finite blocks with normal scales skip the clamp on AVX-512: int4 rounds x / s, which stays
+    within 7 (1 + 2^-8) with a bf16 scale rounded down, and NF4 takes its bin from the truncation of
+    16 y + 15.5. At every rounding tie or bin edge, every midpoint and the floats either side, with
+    anchors that make y = x (s = 1) or push |y| to its largest (an fp32 absmax the bf16 scale rounds
+    down by almost 2^-8); and every bf16 value within the range, as bf16 input."""
+    q = 7.0 if fmt == "int4" else 1.0
+    if fmt == "int4":
+        pts = torch.arange(-7.5, 7.6, 0.5)
+    else:
+        code = torch.tensor(wops.NF4_CODE, dtype=torch.float32)
+        pts = torch.cat([(code[:-1] + code[1:]) / 2, (torch.arange(-16, 17) + 0.5) / 16, torch.arange(-16, 17) / 16])
+    pts = torch.cat([pts, pts.nextafter(torch.tensor(1e9)), pts.nextafter(torch.tensor(-1e9))]).clamp(-q, q)
+    for anchor in (q, -q, q * (1 + 2**-8 - 2**-20), -q * (1 + 2**-8 - 2**-20)):
+        _assert_same_quantize(_blocks_with_anchor(pts, anchor), fmt, 64, scale_dtype)
+    # bf16 input: every bf16 value of magnitude <= q, scale q (bf16 input's absmax is its own bf16 scale)
+    bits = torch.arange(0, 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    vals = bits[bits.float().abs() <= q]
+    vals = torch.cat([vals, -vals])
+    _assert_same_quantize(_blocks_with_anchor(vals, q).to(torch.bfloat16), fmt, 64, scale_dtype)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("magnitude", [1e-38, 1e-37, 3e-36, 1e-30, 1e30, 1e37])
