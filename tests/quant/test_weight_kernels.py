@@ -200,7 +200,8 @@ def test_unclamped_runs_match_reference_at_every_edge(fmt, scale_dtype):
         pts = torch.arange(-7.5, 7.6, 0.5)
     else:
         code = torch.tensor(wops.NF4_CODE, dtype=torch.float32)
-        pts = torch.cat([(code[:-1] + code[1:]) / 2, (torch.arange(-16, 17) + 0.5) / 16, torch.arange(-16, 17) / 16])
+        edges = torch.arange(-16, 17) / 16
+        pts = torch.cat([(code[:-1] + code[1:]) / 2, edges + 1 / 32, edges])
     pts = torch.cat([pts, pts.nextafter(torch.tensor(1e9)), pts.nextafter(torch.tensor(-1e9))]).clamp(-q, q)
     for anchor in (q, -q, q * (1 + 2**-8 - 2**-20), -q * (1 + 2**-8 - 2**-20)):
         _assert_same_quantize(_blocks_with_anchor(pts, anchor), fmt, 64, scale_dtype)
