@@ -151,19 +151,17 @@ class PlanningProblem:
         held as such had kept a fine-tuning plan of micro-batch 2 that measured 26.6 MiB predicted over
         a 27 MiB budget, even 10% wider; the largest ratio at every size had kept a stage of micro-batch
         4 out of a budget its measured peak fitted with 20% to spare.)"""
-        b = micro_batch_size
-        if b in self.activation_scales:
-            return self.activation_scales[b]
-        below = [m for m in self.activation_scales if m < b]
+        b, measured = micro_batch_size, self.activation_scales
+        if b in measured:
+            return measured[b]
+
+        def held(m: int) -> float:  # size m's extra bytes at size b
+            return 1.0 + (measured[m] - 1.0) * m / b if measured[m] > 1.0 else measured[m]
+
+        below = [m for m in measured if m < b]
         if below:
-            m = max(below)
-            r = self.activation_scales[m]
-            return 1.0 + (r - 1.0) * m / b if r > 1.0 else r
-        if self.activation_scales:
-            m = min(self.activation_scales)
-            r = self.activation_scales[m]
-            return max(self.activation_scale, 1.0 + (r - 1.0) * m / b if r > 1.0 else r)
-        return self.activation_scale
+            return held(max(below))
+        return max(self.activation_scale, held(min(measured))) if measured else self.activation_scale
 
     @property
     def master_free_grad_bytes(self) -> int:
