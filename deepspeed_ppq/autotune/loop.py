@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import time
 from typing import Any
@@ -418,7 +419,18 @@ def _plan_and_measure(t: _Tuning, problem: PlanningProblem, gate) -> tuple[list[
     """
     iterations: list[dict] = []
     for it in range(t.settings.max_iterations):
-        plan = plan_pipeline(problem)
+        try:
+            plan = plan_pipeline(problem)
+        except InfeasibleBudgetError as e:
+            # what an over-budget plan's trial held back left no plan: hold back only down to the
+            # smallest plan the recalibrated model has (the most frugal one, the likeliest to fit)
+            budget = t.settings.memory_budget
+            if not iterations or e.need is None or budget is None or e.need > budget:
+                raise
+            t.note(f"the budget held back ({fmt_mib(problem.memory_budget)}) leaves no plan; planning at "
+                   f"the smallest the model has, {fmt_mib(e.need)}")
+            problem.memory_budget = int(math.ceil(e.need))
+            plan = plan_pipeline(problem)
         t.stamp(plan)
         run, over = t.measure(problem, plan, quality=True)
         ok_q, why = _gate_check(gate, run.get("quality_val_loss", run["val_loss"]))

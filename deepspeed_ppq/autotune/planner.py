@@ -68,7 +68,12 @@ _INF = float("inf")
 
 
 class InfeasibleBudgetError(ValueError):
-    """No plan fits the memory budget; the message gives the smallest budget that fits."""
+    """No plan fits the memory budget; the message gives the smallest budget that fits, and ``need`` the
+    same in bytes where the planner computed it (None otherwise)."""
+
+    def __init__(self, message: str, need: float | None = None):
+        super().__init__(message)
+        self.need = need
 
 
 @dataclass
@@ -610,8 +615,9 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _infeasible_message(prob: PlanningProblem, space: list[Knobs]) -> str:
-    """The smallest budget any knob setting needs (min over partitions of the max stage memory)."""
+def _infeasible(prob: PlanningProblem, space: list[Knobs]) -> InfeasibleBudgetError:
+    """The error naming the smallest budget any knob setting needs (min over partitions of the max stage
+    memory) and what fills it."""
     best = (_INF, None, None)
     for k in space:
         relaxed = PlanningProblem(**{**prob.__dict__, "memory_budget": None})
@@ -648,7 +654,7 @@ def _infeasible_message(prob: PlanningProblem, space: list[Knobs]) -> str:
         s, i, j, level, rec, mem = worst
         fill = ", ".join(f"{c} {_fmt_bytes(v)}" for c, v in mem.items() if v)
         msg += f"; its fullest stage {s} (layers {i}-{j - 1}, level {level}, recompute {rec}) holds {fill}"
-    return msg
+    return InfeasibleBudgetError(msg, need)
 
 
 def plan_pipeline(prob: PlanningProblem, exclude: frozenset[tuple[int, int]] = frozenset()) -> Plan:
@@ -681,7 +687,7 @@ def plan_pipeline(prob: PlanningProblem, exclude: frozenset[tuple[int, int]] = f
         if best is None or score < best[0]:
             best = (score, k, stages, ev)
     if best is None:
-        raise InfeasibleBudgetError(_infeasible_message(prob, space))
+        raise _infeasible(prob, space)
     _, k, stages, ev = best
     notes = [f"searched {len(space)} knob settings in {time.perf_counter() - t0:.3f} s"]
     return _to_plan(prob, k, stages, ev, notes)

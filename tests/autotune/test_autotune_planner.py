@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 from itertools import combinations, product
 
@@ -750,6 +751,45 @@ def test_memory_probe_measures_a_plan_predicted_just_over_the_budget():
         assert t.log[-1].startswith("memory probe (predicted over the budget)")
     t, measured = tuning(0.5 * budget, 0.150)  # the unconstrained plan accepted: nothing faster to probe
     assert _memory_probe(t, prob, (free, run), gate, [])[0] is free and not measured
+
+
+def test_a_hold_back_that_leaves_no_plan_plans_at_the_smallest():
+    """A plan measured far over its budget makes the loop hold back what the recalibrated model still
+    misses; when that leaves no plan, the loop plans at the smallest budget the model has (the most
+    frugal plan, the likeliest to fit) instead of failing, and that plan, measured within the budget,
+    is accepted. With no plan measured yet, an infeasible budget is the user's error as before."""
+    from types import SimpleNamespace
+
+    from deepspeed_ppq.autotune.loop import _make_gate, _plan_and_measure, _Tuning
+    from deepspeed_ppq.config import AutotuneConfig
+
+    free = plan_pipeline(_problem(4, 8, world_size=2, global_batch=8, pipeline_degrees=[1, 2]))
+    budget = int(max(st.peak_memory for st in free.stages))
+    prob = _problem(4, 8, world_size=2, global_batch=8, pipeline_degrees=[1, 2], memory_budget=budget)
+    with pytest.raises(InfeasibleBudgetError) as small:
+        plan_pipeline(dataclasses.replace(prob, memory_budget=1))
+    need = small.value.need
+    assert 0 < need < budget
+
+    t = _Tuning(SimpleNamespace(log=lambda msg: None),
+                AutotuneConfig(memory_budget=budget, memory_tolerance=0.0, max_iterations=3), global_batch=8)
+    t.profile = SimpleNamespace(threads_per_rank=1)
+    measured = []
+
+    def measure(problem, plan, quality=False):
+        measured.append((plan, problem.memory_budget))
+        total = 3 * budget if len(measured) == 1 else need  # the first plan far over, the next within
+        stages = [{"measured_memory": {"total": total, "phases": {"pipeline": {"activations": 0}}}}
+                  for _ in plan.stages]
+        run = {"measured_step_time": 0.1, "peak_memory": total, "val_loss": 1.0, "stages": stages}
+        return run, ([f"stage 0 peak {total} > {budget}"] if total > budget else [])
+
+    t.measure = measure
+    iterations, accepted = _plan_and_measure(t, prob, _make_gate([1.0], 0.01))
+    assert len(measured) == 2 and iterations[0]["over_budget"] and not iterations[1]["over_budget"]
+    assert measured[1][1] == math.ceil(need) and accepted[0] is measured[1][0]
+    assert max(st.peak_memory for st in accepted[0].stages) <= math.ceil(need)
+    assert any("leaves no plan; planning at the smallest the model has" in line for line in t.log)
 
 
 def test_excluding_every_schedule_is_an_infeasible_plan_not_a_crash():
