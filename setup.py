@@ -4,8 +4,9 @@
 
 * The C++ CPU kernels (every ``csrc/cpu/*.cpp``) are built once per instruction set, as separate
   extension modules: ``deepspeed_ppq._C_scalar`` (plain x86-64, or the compiler's default off x86),
-  ``deepspeed_ppq._C_avx2`` (x86-64-v3: AVX2, FMA, BMI2, F16C) and ``deepspeed_ppq._C_avx512``
-  (x86-64-v4: AVX-512 F/BW/CD/DQ/VL). ``deepspeed_ppq.ops`` imports exactly one of them at load time,
+  ``deepspeed_ppq._C_avx2`` (x86-64-v3: AVX2, FMA, BMI2, F16C), ``deepspeed_ppq._C_avx512``
+  (x86-64-v4: AVX-512 F/BW/CD/DQ/VL) and ``deepspeed_ppq._C_avx512vbmi`` (x86-64-v4 and VBMI: Ice Lake,
+  Zen 4 and newer). ``deepspeed_ppq.ops`` imports exactly one of them at load time,
   the widest the CPU runs (or the one ``PPQ_CPU_ISA`` names), so no module with instructions the CPU
   lacks is ever loaded. See csrc/README.md.
 * The CUDA extension (``deepspeed_ppq._C_cuda``: every ``csrc/cuda/*.cu`` plus the thin
@@ -33,6 +34,7 @@ _ISA_FLAGS = {
     "scalar": (["-march=x86-64", "-mtune=generic"] if _X86 else []) + ["-DPPQ_ISA=1"],
     "avx2": ["-march=x86-64-v3", "-mtune=generic", "-DPPQ_ISA=2"],
     "avx512": ["-march=x86-64-v4", "-mtune=generic", "-DPPQ_ISA=3"],
+    "avx512vbmi": ["-march=x86-64-v4", "-mavx512vbmi", "-mtune=generic", "-DPPQ_ISA=4"],
 }
 
 
@@ -56,7 +58,7 @@ def _cpu_variants() -> dict[str, list[str]]:
     march = os.environ.get("PPQ_MARCH")
     if march:
         return {"native": [f"-march={march}", "-DPPQ_MARCH_BUILD"]}
-    names = ["scalar", "avx2", "avx512"] if _X86 else ["scalar"]
+    names = ["scalar", "avx2", "avx512", "avx512vbmi"] if _X86 else ["scalar"]
     only = os.environ.get("PPQ_CPU_ISAS")
     if only:
         wanted = [s.strip() for s in only.split(",") if s.strip()]

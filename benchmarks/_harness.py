@@ -70,7 +70,7 @@ _SIMD_FLAGS = (
     "avx512bw",
     "avx512dq",
     "avx512vl",
-    "avx512_vbmi",
+    "avx512vbmi",
     "avx512_bf16",
     "amx_tile",
     "asimd",

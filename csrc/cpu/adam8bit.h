@@ -39,11 +39,22 @@ struct Map {
   // comparison with the midpoint.
   std::vector<uint32_t> entry;
   bool lut = true;  // false: some cell holds two midpoints (or a shared cell one); encode() bisects
+  // The decode's byte planes (avx512vbmi): plane[k][i] = byte k of value[i].
+  alignas(64) uint8_t plane[4][256];
+  // Position 16 L + 4 k + t of the permuted codes holds code 16 k + 4 L + t (decode64).
+  alignas(64) static constexpr uint8_t kShuffle[64] = {
+      0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4,  5,  6,  7,  20, 21,
+      22, 23, 36, 37, 38, 39, 52, 53, 54, 55, 8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43,
+      56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};  // false: some cell holds two midpoints (or a shared cell one); encode() bisects
 };
 
 inline std::unique_ptr<Map> build_map(const float* v) {
   auto m = std::make_unique<Map>();
   for (int i = 0; i < 256; ++i) m->value[i] = v[i];
+  for (int i = 0; i < 256; ++i) {
+    const uint32_t u = std::bit_cast<uint32_t>(v[i]);
+    for (int k = 0; k < 4; ++k) m->plane[k][i] = uint8_t(u >> (8 * k));
+  }
   for (int i = 0; i < 255; ++i) m->mid[i] = (v[i] + v[i + 1]) / 2.0f;
   m->mid[255] = INFINITY;
   m->entry.assign(Map::kCells, 0);
@@ -129,6 +140,29 @@ PPQ_ALWAYS_INLINE inline __m512i encode16(const Map& m, __m512 y) {
 }
 #endif
 
+#ifdef __AVX512VBMI__
+// The values of 64 codes (bytes at c), 16 per vector in order: each of a value's four bytes is a
+// 256-entry byte look-up (two 128-entry vpermi2b, picked by the code's top bit), and two rounds of
+// unpacks interleave the four byte planes into floats. The unpacks work within 128-bit lanes, so the
+// codes are first permuted (kShuffle) such that vector k comes out holding codes 16k..16k+15.
+PPQ_ALWAYS_INLINE inline void decode64(const Map& m, const uint8_t* c, __m512 out[4]) {
+  const __m512i idx = _mm512_permutexvar_epi8(_mm512_load_si512(Map::kShuffle), _mm512_loadu_si512(c));
+  const __mmask64 top = _mm512_movepi8_mask(idx);
+  __m512i b[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m512i* t = reinterpret_cast<const __m512i*>(m.plane[k]);
+    b[k] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(_mm512_load_si512(t), idx, _mm512_load_si512(t + 1)),
+                                  _mm512_permutex2var_epi8(_mm512_load_si512(t + 2), idx, _mm512_load_si512(t + 3)));
+  }
+  const __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
+  const __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
+  out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23));
+  out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23));
+  out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23));
+  out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23));
+}
+#endif
+
 #if PPQ_ISA_AVX2
 // encode16 on 8 lanes: the cell index (a shift and a min), one gather of the cell entries, the
 // comparison by the carry.
@@ -167,23 +201,35 @@ inline void block_step(const Hyper& h, const Map& m1, const Map& m2, float* __re
     const __m512 va1 = _mm512_set1_ps(a1), va2 = _mm512_set1_ps(a2);
     const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
     __m512 vmx1 = _mm512_setzero_ps(), vmx2 = _mm512_setzero_ps();
-    for (; j + 16 <= len; j += 16) {
-      __m512 gi = _mm512_loadu_ps(gp + j);
+    // Values i0..i0+15, e1/e2 their states' code-map values.
+    auto step16 = [&](int64_t i0, __m512 e1, __m512 e2) PPQ_ALWAYS_INLINE {
+      __m512 gi = _mm512_loadu_ps(gp + i0);
       if (h.scale_g) gi = _mm512_mul_ps(gi, vgs);
-      const __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + j)));
-      const __m512i c2 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q2 + j)));
-      const __m512 d1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_i32gather_ps(c1, m1.value, 4), va1), vb1);
-      const __m512 d2 = _mm512_mul_ps(_mm512_mul_ps(_mm512_i32gather_ps(c2, m2.value, 4), va2), vb2);
+      const __m512 d1 = _mm512_mul_ps(_mm512_mul_ps(e1, va1), vb1);
+      const __m512 d2 = _mm512_mul_ps(_mm512_mul_ps(e2, va2), vb2);
       const __m512 v1 = _mm512_add_ps(d1, _mm512_mul_ps(gi, vob1));
       const __m512 v2 = _mm512_add_ps(d2, _mm512_mul_ps(_mm512_mul_ps(gi, gi), vob2));
-      _mm512_store_ps(s1 + j, v1);
-      _mm512_store_ps(s2 + j, v2);
+      _mm512_store_ps(s1 + i0, v1);
+      _mm512_store_ps(s2 + i0, v2);
       vmx1 = _mm512_max_ps(vmx1, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v1), abs_mask)));
       vmx2 = _mm512_max_ps(vmx2, v2);
-      __m512 w = _mm512_loadu_ps(pp + j);
+      __m512 w = _mm512_loadu_ps(pp + i0);
       if (h.wd) w = _mm512_mul_ps(w, vdecay);
       const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(v2), veps);
-      _mm512_storeu_ps(pp + j, _mm512_add_ps(w, _mm512_mul_ps(vstep, _mm512_div_ps(v1, denom))));
+      _mm512_storeu_ps(pp + i0, _mm512_add_ps(w, _mm512_mul_ps(vstep, _mm512_div_ps(v1, denom))));
+    };
+#ifdef __AVX512VBMI__
+    for (; j + 64 <= len; j += 64) {
+      __m512 e1[4], e2[4];
+      decode64(m1, q1 + j, e1);
+      decode64(m2, q2 + j, e2);
+      for (int k = 0; k < 4; ++k) step16(j + 16 * k, e1[k], e2[k]);
+    }
+#endif
+    for (; j + 16 <= len; j += 16) {
+      const __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + j)));
+      const __m512i c2 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q2 + j)));
+      step16(j, _mm512_i32gather_ps(c1, m1.value, 4), _mm512_i32gather_ps(c2, m2.value, 4));
     }
     mx1 = _mm512_reduce_max_ps(vmx1);
     mx2 = _mm512_reduce_max_ps(vmx2);

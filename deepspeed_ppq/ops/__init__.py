@@ -10,9 +10,9 @@ The C++ extension (``csrc/cpu``) registers ``CPU`` kernels for the same names an
 backend kernel over the composite default.
 
 CPU instruction sets: the C++ kernels are built once per path (``deepspeed_ppq._C_scalar``,
-``_C_avx2``, ``_C_avx512``; see csrc/README.md) and exactly one is imported, at load time: the widest
-this CPU runs, or the one ``PPQ_CPU_ISA=scalar|avx2|avx512`` forces (an unknown value, or a path the
-CPU lacks, raises naming it). ``cpu_isa()`` says which path is in use. A module with instructions the
+``_C_avx2``, ``_C_avx512``, ``_C_avx512vbmi``; see csrc/README.md) and exactly one is imported, at
+load time: the widest this CPU runs, or the one ``PPQ_CPU_ISA=scalar|avx2|avx512|avx512vbmi`` forces
+(an unknown value, or a path the CPU lacks, raises naming it). ``cpu_isa()`` says which path is in use. A module with instructions the
 CPU lacks is never imported, so one build runs on every x86-64 CPU.
 
 Loading the extensions: tried once at import; if one is missing we warn once with the reason and
@@ -41,8 +41,9 @@ __all__ = [
     "CPU_ISAS",
 ]
 
-CPU_ISAS = ("avx512", "avx2", "scalar")  # widest first
-# /proc/cpuinfo flags each compiled path needs (setup.py: -march=x86-64-v4 / x86-64-v3 / x86-64).
+CPU_ISAS = ("avx512vbmi", "avx512", "avx2", "scalar")  # widest first
+# /proc/cpuinfo flags each compiled path needs (setup.py: -march=x86-64-v4 -mavx512vbmi / x86-64-v4 /
+# x86-64-v3 / x86-64).
 _ISA_CPU_FLAGS = {
     "avx2": ("avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "abm", "movbe"),
     "scalar": (),
@@ -54,6 +55,7 @@ _ISA_CPU_FLAGS["avx512"] = _ISA_CPU_FLAGS["avx2"] + (
     "avx512dq",
     "avx512vl",
 )
+_ISA_CPU_FLAGS["avx512vbmi"] = _ISA_CPU_FLAGS["avx512"] + ("avx512vbmi",)
 
 _LIB = torch.library.Library("ppq", "DEF")
 _REFERENCES: dict[str, Callable] = {}
@@ -137,8 +139,8 @@ _CPU_MODULE: dict[str, object] = {}
 
 
 def cpu_isa() -> str:
-    """The instruction-set path of the C++ CPU kernels in use: ``"avx512"``, ``"avx2"``, ``"scalar"``,
-    or ``"reference"`` when no C++ CPU module is loaded (plain-PyTorch kernels)."""
+    """The instruction-set path of the C++ CPU kernels in use: ``"avx512vbmi"``, ``"avx512"``, ``"avx2"``,
+    ``"scalar"``, or ``"reference"`` when no C++ CPU module is loaded (plain-PyTorch kernels)."""
     mod = _CPU_MODULE.get("module")
     return mod.isa() if mod is not None else "reference"
 

@@ -3,8 +3,8 @@
 Every CPU path the build has is held to the plain-PyTorch references: the kernel test files run
 again in a subprocess with ``PPQ_CPU_ISA`` forcing each path other than the one this process
 loaded (which the files themselves test here). Paths this CPU lacks are skipped with the reason.
-The scalar module must hold no AVX instruction and the AVX2 module no AVX-512 one, so one build
-runs on every x86-64 CPU (checked on the disassembly where objdump exists).
+The scalar module must hold no AVX instruction, the AVX2 module no AVX-512 one and the AVX-512
+module no VBMI one, so one build runs on every x86-64 CPU (checked on the disassembly where objdump exists).
 """
 
 import os
@@ -63,7 +63,7 @@ def test_unknown_isa_is_refused(value):
     )
     assert res.returncode != 0
     assert (
-        f"PPQ_CPU_ISA={value.lower()!r} is not a CPU kernel path; allowed: avx512, avx2, scalar" in res.stderr
+        f"PPQ_CPU_ISA={value.lower()!r} is not a CPU kernel path; allowed: avx512vbmi, avx512, avx2, scalar" in res.stderr
     )
 
 
@@ -111,7 +111,7 @@ _VEX = re.compile(r"^\s+[0-9a-f]+:\s+v[a-z0-9]+\s", re.M)
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump is not installed")
-@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 def test_modules_hold_no_wider_instructions(isa):
     so = _module_path(isa)
     if so is None:
@@ -123,6 +123,9 @@ def test_modules_hold_no_wider_instructions(isa):
     if isa == "scalar":
         bad = _VEX.findall(asm)
         assert not bad, f"{so.name} holds {len(bad)} AVX (VEX) instructions, e.g. {bad[:3]}"
-    else:
+    elif isa == "avx2":
         bad = re.findall(r".*%(?:zmm\d+|[xy]mm(?:1[6-9]|2\d|3[01])|k[1-7])\b.*", asm)
         assert not bad, f"{so.name} holds {len(bad)} AVX-512 instructions, e.g. {bad[:3]}"
+    else:  # VBMI's byte permutes and multishift
+        bad = re.findall(r"^\s+[0-9a-f]+:\s+(?:vpermb|vpermi2b|vpermt2b|vpmultishiftqb)\s.*", asm, re.M)
+        assert not bad, f"{so.name} holds {len(bad)} VBMI instructions, e.g. {bad[:3]}"
