@@ -12,8 +12,8 @@ backend kernel over the composite default.
 CPU instruction sets: the C++ kernels are built once per path (``deepspeed_ppq._C_scalar``,
 ``_C_avx2``, ``_C_avx512``, ``_C_avx512vbmi``; see csrc/README.md) and exactly one is imported, at
 load time: the widest this CPU runs, or the one ``PPQ_CPU_ISA=scalar|avx2|avx512|avx512vbmi`` forces
-(an unknown value, or a path the CPU lacks, raises naming it). ``cpu_isa()`` says which path is in use. A module with instructions the
-CPU lacks is never imported, so one build runs on every x86-64 CPU.
+(an unknown value, or a path the CPU lacks, raises naming it). ``cpu_isa()`` says which path is in
+use. A module with instructions the CPU lacks is never imported, so one build runs on every x86-64 CPU.
 
 Loading the extensions: tried once at import; if one is missing we warn once with the reason and
 fall back to the references. ``PPQ_FORCE_REFERENCE=1`` skips loading them.
