@@ -189,44 +189,46 @@ def calibrate_memory(problem: PlanningProblem, runs: list[tuple[Plan, dict]]) ->
     Trials measure each stage's peak in two phases: the pipeline (forward, backward, sends: the
     activations) and the step (gradient reduce and optimizer: the step transient).
 
-    1. ``activation_scale``: the largest ratio, over stages without recomputation, of the measured
-       pipeline-phase activations to the predicted activations + pipe buffers (the engine keeps
-       clones of received activations, outputs until sent, ...), at least the current value; and
-       ``activation_scales``, the same per micro-batch size measured (``activation_scale_for``).
+    1. ``activation_extra_bytes``: per micro-batch size, the largest excess, over stages without
+       recomputation, of the measured pipeline-phase activations over the predicted activations + pipe
+       buffers (the engine keeps clones of received activations, outputs until sent, ...), at least 0
+       and at least the current value (``PlanningProblem.activation_extra_for``).
     2. ``step_fixed_bytes``: the measured step-phase peak minus the static bytes (weights, masters,
        gradients, optimizer states), the pipe buffers and the per-parameter step transient (the
        runner's figure: a flattened gradient buffer, the optimizer's temporaries) is what the engine
        still holds then; the largest over stages, at least the current value.
 
     Returns:
-        ``{"activation_scale", "activation_scales", "step_transient_bytes_per_param", "step_fixed_bytes",
-        "before": {...}}``.
+        ``{"activation_extra_bytes", "step_transient_bytes_per_param", "step_fixed_bytes", "before": {...}}``.
     """
-    before = {"activation_scale": problem.activation_scale, "step_fixed_bytes": problem.step_fixed_bytes}
-    scale, need = problem.activation_scale, problem.step_fixed_bytes
-    per_size = dict(problem.activation_scales)
+    before = {"activation_extra_bytes": dict(problem.activation_extra_bytes),
+              "step_fixed_bytes": problem.step_fixed_bytes}
+    need = problem.step_fixed_bytes
+    extra = dict(problem.activation_extra_bytes)
     per_param = problem.step_transient_bytes_per_param
-    saved = problem.activation_scale
-    applied = {plan.micro_batch_size: problem.activation_scale_for(plan.micro_batch_size) for plan, _ in runs}
-    problem.activation_scale, problem.activation_scales = 1.0, {}
+    problem.activation_extra_bytes = {}  # predict the profile's bytes alone
     for plan, run in runs:
+        b = plan.micro_batch_size
         for sp, pred, st in zip(plan.stages, predict(problem, plan)["memory"], run["stages"]):
             phases = st["measured_memory"].get("phases") or {"pipeline": st["measured_memory"]}
-            held = pred["activations"] + pred["comm_buffers"]
             pipe = phases.get("pipeline")
-            if pipe and held > 0 and not sp.recompute:
-                ratio = pipe.get("activations", 0) / held
-                scale = max(scale, ratio)
-                per_size[plan.micro_batch_size] = max(per_size.get(plan.micro_batch_size, 0.0), ratio)
+            if pipe and not sp.recompute:
+                excess = pipe.get("activations", 0) - (pred["activations"] + pred["comm_buffers"])
+                extra[b] = max(extra.get(b, 0.0), float(excess))
             step = phases.get("step")
             params = sum(layer.params for layer in problem.layers[sp.layers[0] : sp.layers[1]])
             if step:
                 fixed = sum(pred[k] for k in ("weights", "master_weights", "gradients", "optimizer"))
-                bufs = pred["comm_buffers"] * applied[plan.micro_batch_size]  # as the planner scales them
-                need = max(need, step["total"] - fixed - bufs - per_param * params)
-    problem.activation_scale = scale if scale > 0 else saved
-    problem.activation_scales = {b: s for b, s in sorted(per_size.items()) if s > 0}
+                need = max(need, step["total"] - fixed - pred["comm_buffers"] - per_param * params)
+    problem.activation_extra_bytes = dict(sorted(extra.items()))
     problem.step_fixed_bytes = need
-    return {"activation_scale": problem.activation_scale,
-            "activation_scales": dict(problem.activation_scales),
+    return {"activation_extra_bytes": dict(problem.activation_extra_bytes),
             "step_transient_bytes_per_param": per_param, "step_fixed_bytes": need, "before": before}
+
+
+def describe_extra(extra: dict) -> str:
+    """``activation_extra_bytes`` in words, for logs and reports."""
+    if not extra:
+        return "activations as profiled (no trial without recomputation)"
+    by_size = ", ".join(f"{b}: +{v / 2**20:.2f}" for b, v in sorted(extra.items(), key=lambda kv: int(kv[0])))
+    return f"activations beyond the profile, MiB per stage by micro-batch size: {by_size}"

@@ -754,11 +754,9 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
     for plan, run in stock.runs:  # 3. the models as fitted to every measured stock trial
         run["calibrated_step_time"] = calibrate.predict(problem, plan)["step_time"]
     tc, mc = stock.time_cal, stock.mem_cal
-    by_size = ", ".join(f"{b}: x{s:.3f}" for b, s in mc.get("activation_scales", {}).items())
     t.note(f"calibration: layer times x{tc['time_scale']:.3f}, engine "
-           f"{tc['fixed_per_microbatch_s'] * 1e3:.2f} ms per stage and micro-batch; activations "
-           f"x{mc['activation_scale']:.3f}" + (f" (by micro-batch size {by_size})" if by_size else "")
-           + ", around the step "
+           f"{tc['fixed_per_microbatch_s'] * 1e3:.2f} ms per stage and micro-batch; "
+           f"{calibrate.describe_extra(mc['activation_extra_bytes'])}, around the step "
            f"{mc['step_transient_bytes_per_param']:.1f} B/param + {fmt_mib(mc['step_fixed_bytes'])}")
 
     # quality noise: the baseline over seeds, each trained quality_steps steps

@@ -115,10 +115,10 @@ class PlanningProblem:
             its pipe buffers plus the larger of its activations and this transient.
         step_fixed_bytes: bytes per stage around the optimizer step that do not scale with its parameters
             (tensors the engine keeps from the last micro-batch); calibrated.
-        activation_scale: measured over profiled activation and pipe-buffer bytes (the engine keeps
-            copies of received activations, outputs until they are sent, ...); calibrated: the largest
-            ratio measured at any micro-batch size.
-        activation_scales: the same ratio per micro-batch size measured (``activation_scale_for``).
+        activation_extra_bytes: per micro-batch size measured, the bytes a stage holds in the pipeline
+            phase beyond its profiled activations and pipe buffers (the engine keeps copies of received
+            activations, outputs until they are sent, ...): the largest over the stages measured, added
+            to every stage (``activation_extra_for``); calibrated, 0 before any trial.
     """
 
     layers: list[LayerProfile]
@@ -142,31 +142,25 @@ class PlanningProblem:
     microbatch_overhead_s: float = 0.0
     step_transient_bytes_per_param: float = 0.0
     step_fixed_bytes: float = 0.0
-    activation_scale: float = 1.0
-    activation_scales: dict[int, float] = field(default_factory=dict)
+    activation_extra_bytes: dict[int, float] = field(default_factory=dict)
 
-    def activation_scale_for(self, micro_batch_size: int) -> float:
-        """The activation scale at a micro-batch size: the one measured there. Elsewhere the bytes beyond
-        the profile are held fixed, as the measurements show them: the engine's extra bytes are mostly
-        per buffer, not per sample, so the ratio falls as micro-batches grow (measured on the pre-training
-        workload: x1.89, 1.41, 1.16, 0.99 at 1, 2, 4, 8). From the nearest measured size ``m`` with
-        ratio ``r > 1``, size ``b`` takes ``1 + (r - 1) * m / b``: from the largest smaller size measured
-        (which over-predicts what the measurements above show: x1.44, 1.22, 1.11 from x1.89 at 1), or
-        below every measured size from the smallest, at least the largest ratio. (Micro-batch 1's x1.69
-        held as such had kept a fine-tuning plan of micro-batch 2 that measured 26.6 MiB predicted over
-        a 27 MiB budget, even 10% wider; the largest ratio at every size had kept a stage of micro-batch
-        4 out of a budget its measured peak fitted with 20% to spare.)"""
-        b, measured = micro_batch_size, self.activation_scales
-        if b in measured:
-            return measured[b]
+    def activation_extra_for(self, micro_batch_size: int) -> float:
+        """The bytes a stage holds beyond the profile at a micro-batch size: those measured there, else
+        those of the nearest smaller size measured, else of the smallest (0 before any trial).
 
-        def held(m: int) -> float:  # size m's extra bytes at size b
-            return 1.0 + (measured[m] - 1.0) * m / b if measured[m] > 1.0 else measured[m]
-
-        below = [m for m in measured if m < b]
-        if below:
-            return held(max(below))
-        return max(self.activation_scale, held(min(measured))) if measured else self.activation_scale
+        Added per stage, not scaled with a stage's activations: the extra bytes belong to the pipeline's
+        buffers and the engine, not to the layers. A ratio carried them over to larger stages multiplied:
+        on the fine-tuning demo the stock trials (2 stages, micro-batch 1) measured +1.56 and +2.5 MiB over
+        6.4 and 3.6 MiB profiled; the one-stage plan of micro-batch 2 then measured 14.1 MiB against
+        13.2 profiled, which the ratio (x1.34 there) had put at 17.4 MiB and held out of a budget it fitted.
+        Held fixed across micro-batch sizes as well: they are mostly per buffer, not per sample (the
+        pre-training trials measured the ratio over the profile falling, x1.89, 1.41, 1.16, 0.99 at
+        micro-batch 1, 2, 4, 8)."""
+        b, measured = micro_batch_size, self.activation_extra_bytes
+        if not measured:
+            return 0.0
+        below = [m for m in measured if m <= b]
+        return measured[max(below)] if below else measured[min(measured)]
 
     @property
     def master_free_grad_bytes(self) -> int:
@@ -288,9 +282,7 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
     mem["activations"] = n_act * sum(kept) + transient
     grad_buf = layers[-1].output_bytes if c.last < len(prob.layers) else 0
     mem["comm_buffers"] = n_buf * b * (layers[0].input_bytes + layers[-1].output_bytes) + b * grad_buf
-    scale = prob.activation_scale_for(b)
-    mem["activations"] = int(mem["activations"] * scale)
-    mem["comm_buffers"] = int(mem["comm_buffers"] * scale)
+    mem["activations"] += int(prob.activation_extra_for(b))
     params = sum(layer.params for layer in layers)
     transient = prob.step_transient_bytes_per_param * params + prob.step_fixed_bytes
     mem["temporaries"] = int(max(0.0, transient - mem["activations"]))
@@ -458,7 +450,7 @@ def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) 
     opt_tab = np.full((p, N, N), -1, dtype=np.int64)
     min_mem = np.full((p, N, N), _INF)
     budget = _INF if prob.memory_budget is None else float(prob.memory_budget)
-    scale = prob.activation_scale_for(b)
+    extra = prob.activation_extra_for(b)
     done: dict[tuple[int, int], int] = {}
     for s in range(p):
         held = _inflight(k.schedule, p, s, k.num_microbatches)
@@ -467,8 +459,8 @@ def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) 
             continue
         done[held] = s
         n_act, n_buf = held
-        act = (n_act * act_opt + transient_opt) * scale
-        bufs = (n_buf * buf_per + grad_buf) * scale
+        act = n_act * act_opt + transient_opt + extra
+        bufs = n_buf * buf_per + grad_buf
         mem = static_opt + np.maximum(act, step_transient) + bufs  # [O, N, N]
         mem = np.where(valid, mem, _INF)
         min_mem[s] = mem.min(axis=0)

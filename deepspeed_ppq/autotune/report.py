@@ -12,6 +12,7 @@ import os
 import statistics
 from pathlib import Path
 
+from deepspeed_ppq.autotune.calibrate import describe_extra
 from deepspeed_ppq.autotune.ladder import stage_compute
 from deepspeed_ppq.autotune.loop import CHALLENGERS
 from deepspeed_ppq.autotune.memory import CATEGORIES, MIB
@@ -194,7 +195,7 @@ def format_report(result: dict) -> str:
               f"- layer times x{cal['time']['time_scale']:.3f}, engine "
               f"{cal['time']['fixed_per_microbatch_s'] * 1e3:.2f} ms per stage and micro-batch, link latency "
               f"{cal['time']['link_latency_s'] * 1e6:.0f} us",
-              f"- activations x{cal['memory']['activation_scale']:.3f} over the profile; around the "
+              f"- {describe_extra(cal['memory']['activation_extra_bytes'])}; around the "
               f"optimizer step {cal['memory']['step_transient_bytes_per_param']:.2f} B per parameter + "
               f"{_mib(cal['memory']['step_fixed_bytes'])} MiB per stage", "", "## Log", ""]
     lines += [f"- {m}" for m in result["log"]]

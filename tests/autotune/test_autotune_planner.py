@@ -11,6 +11,7 @@ from itertools import combinations, product
 import pytest
 
 from deepspeed_ppq.autotune.costs import CodecOption, LayerProfile, optimizer_bytes
+from deepspeed_ppq.autotune.memory import MIB
 from deepspeed_ppq.autotune.plan import PLAN_SCHEMA_VERSION, Plan, PlanError, load_plan
 from deepspeed_ppq.autotune.planner import (
     InfeasibleBudgetError,
@@ -610,39 +611,46 @@ def test_stock_final_picks_the_lowest_median_not_a_lucky_trial():
     assert not calls
 
 
-def test_activation_scale_is_fitted_per_micro_batch_size():
-    """The memory model's activation scale is kept per micro-batch size measured. A size without a trial
-    holds the bytes beyond the profile fixed (the engine's extra bytes are mostly per buffer: the ratio
-    falls as micro-batches grow): 1 + (r - 1) * m / b from the largest smaller size m measured, and below
-    every measured size from the smallest, at least the largest ratio."""
+def test_activation_extra_bytes_are_fitted_per_micro_batch_size_and_added_per_stage():
+    """The bytes the engine holds beyond the profile are kept per micro-batch size measured (the largest
+    over the stages), added to every stage as bytes, not as a ratio of its activations: a stage twice as
+    large does not hold twice the pipeline's extra buffers. A size without a trial takes the nearest
+    smaller size's bytes, below every measured size the smallest's; an excess below the profile counts 0;
+    a later calibration never lowers them."""
     from deepspeed_ppq.autotune.calibrate import calibrate_memory, predict
 
     prob = _problem(5, 8, world_size=2, global_batch=8, pipeline_degrees=[2], micro_batch_sizes=[1, 2, 4],
                     allow_recompute=False)
     plans = {b: plan_pipeline(dataclasses.replace(prob, micro_batch_sizes=[b])) for b in (1, 2, 4)}
-    unscaled = {b: predict(prob, plans[b])["memory"] for b in plans}
+    profiled = {b: predict(prob, plans[b])["memory"] for b in plans}
 
-    def run(b: int, ratio: float) -> dict:
+    def run(b: int, extras: list[float]) -> dict:
         return {"stages": [{"measured_memory": {"total": sum(m.values()), "phases": {
-            "pipeline": {"activations": ratio * (m["activations"] + m["comm_buffers"])}}}}
-            for m in unscaled[b]]}
+            "pipeline": {"activations": m["activations"] + m["comm_buffers"] + x}}}}
+            for m, x in zip(profiled[b], extras)]}
 
-    cal = calibrate_memory(prob, [(plans[1], run(1, 1.9)), (plans[2], run(2, 1.4))])
-    assert cal["activation_scale"] == pytest.approx(1.9)
-    assert cal["activation_scales"] == pytest.approx({1: 1.9, 2: 1.4})
-    assert [prob.activation_scale_for(b) for b in (1, 2, 3, 4, 8)] == pytest.approx(
-        [1.9, 1.4, 1 + 0.4 * 2 / 3, 1.2, 1.1])
-    scaled = predict(prob, plans[4])["memory"]
-    for m, m0 in zip(scaled, unscaled[4]):
-        assert m["activations"] == pytest.approx(1.2 * m0["activations"], abs=1)
-    # below every measured size: the fixed extra bytes from the smallest, at least the largest ratio
-    prob.activation_scale, prob.activation_scales = 1.5, {2: 1.4}
-    assert prob.activation_scale_for(1) == pytest.approx(1.8)
-    prob.activation_scales = {4: 1.1}
-    assert prob.activation_scale_for(2) == pytest.approx(1.5)
-    # a ratio at or below 1 is kept as it is
-    prob.activation_scales = {2: 0.95}
-    assert prob.activation_scale_for(4) == pytest.approx(0.95)
+    cal = calibrate_memory(prob, [(plans[1], run(1, [1 * MIB, 2.5 * MIB])),
+                                  (plans[2], run(2, [3 * MIB, -MIB]))])
+    assert cal["activation_extra_bytes"] == pytest.approx({1: 2.5 * MIB, 2: 3 * MIB})
+    assert [prob.activation_extra_for(b) / MIB for b in (1, 2, 3, 4, 8)] == pytest.approx([2.5, 3, 3, 3, 3])
+    for m, m0 in zip(predict(prob, plans[4])["memory"], profiled[4]):
+        assert m["activations"] == pytest.approx(m0["activations"] + 3 * MIB, abs=1)
+        assert m["comm_buffers"] == m0["comm_buffers"]
+    # one stage holding every layer: the same bytes on top, not the two stages' ratio
+    whole = plan_pipeline(dataclasses.replace(prob, pipeline_degrees=[1], micro_batch_sizes=[2]))
+    bare = dataclasses.replace(prob, activation_extra_bytes={})
+    (m,), (m0,) = predict(prob, whole)["memory"], predict(bare, whole)["memory"]
+    assert m["activations"] == pytest.approx(m0["activations"] + 3 * MIB, abs=1)
+    # a smaller excess later leaves the bytes as they are; below every measured size: the smallest's
+    calibrate_memory(prob, [(plans[1], run(1, [0.5 * MIB, 0.5 * MIB]))])
+    assert prob.activation_extra_for(1) == pytest.approx(2.5 * MIB)
+    prob.activation_extra_bytes = {2: 1.5 * MIB, 4: 2 * MIB}
+    assert prob.activation_extra_for(1) == pytest.approx(1.5 * MIB)
+    assert bare.activation_extra_for(4) == 0.0
+    # an excess below the profile counts 0
+    fresh = dataclasses.replace(prob, activation_extra_bytes={})
+    cal = calibrate_memory(fresh, [(plans[2], run(2, [-MIB, -2 * MIB]))])
+    assert cal["activation_extra_bytes"] == {2: 0.0}
 
 
 def test_stock_search_measures_the_smallest_configuration_when_none_fits():
