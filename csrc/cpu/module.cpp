@@ -1,5 +1,5 @@
 // The Python module of one CPU variant of the C++ extension (deepspeed_ppq._C_scalar, _C_avx2,
-// _C_avx512 or _C_native; see isa.h and setup.py). Kernels register themselves with
+// _C_avx512, _C_avx512vbmi or _C_native; see isa.h and setup.py). Kernels register themselves with
 // TORCH_LIBRARY_IMPL(ppq, CPU, m) in their own files when the module is loaded; this file only gives
 // the shared object a Python entry point that says which path it was compiled for (for
 // deepspeed_ppq.ops.cpu_isa() and `ppq report`). Plain CPython API: no pybind11 or torch headers, so
@@ -29,6 +29,9 @@ PyObject* build_info(PyObject*, PyObject*) {
 #endif
 #ifdef __AVX512F__
   s += " avx512f";
+#endif
+#ifdef __AVX512VBMI__
+  s += " avx512vbmi";
 #endif
 #ifdef __AVX512BF16__
   s += " avx512bf16";
