@@ -58,6 +58,9 @@
 #include <vector>
 #if PPQ_HAS_AVX2
 #include <immintrin.h>
+// GCC 12's false positive on the intrinsics' placeholders in OpenMP-outlined functions (see weights.cpp).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 namespace {
