@@ -198,6 +198,8 @@ def _markdown(w, m: dict, ladder: dict | None, rows: list[dict], budget_ref: flo
             if not lrows:
                 md.append("| (no ladder: the tuned plan did not beat the best stock configuration) |"
                           " | | | | | | |")
+            if lrows:
+                md += ["", *[f"Left out: {why}." for why in ladder.get("ladder_left_out", [])]]
             md += ["", "Tuner log:", "", *[f"    {line}" for line in ladder["log"]], ""]
     if rows:
         md += ["## Budget sweep", "",

@@ -48,6 +48,16 @@ def rebalance_label(fill: Plan, tuned: Plan) -> str:
     return "+ re-balanced stages" + (f" ({' and '.join(what)})" if what else "")
 
 
+def left_out_codecs(tuned: Plan) -> str | None:
+    """Why the ladder has no codec rung (None when it has one): the tuned plan compresses no traffic."""
+    if tuned.activation_codec != {"method": "none"} or tuned.gradient_codec != {"method": "none"}:
+        return None
+    if tuned.pipeline_degree == 1:
+        return "+ compressed boundaries: the tuned plan runs one stage, so no traffic goes between stages"
+    return ("+ compressed boundaries: the tuned plan compresses no traffic (no codec candidate was predicted "
+            "to pay on the measured link)")
+
+
 def ladder_plans(problem: PlanningProblem, base: Plan, tuned: Plan,
                  partitions: dict[int, dict[str, list[int]]] | None = None) -> list[tuple[str, Plan]]:
     """The rungs between the best stock configuration and the tuned plan, one feature at a time:

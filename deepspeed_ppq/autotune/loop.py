@@ -46,7 +46,7 @@ from typing import Any
 from deepspeed_ppq.autotune import calibrate
 from deepspeed_ppq.autotune.costs import CodecOption, LayerProfile
 from deepspeed_ppq.autotune.gate import MIN_SEEDS, QualityGate
-from deepspeed_ppq.autotune.ladder import ladder_plans, measured_bubble, repeat_ladder
+from deepspeed_ppq.autotune.ladder import ladder_plans, left_out_codecs, measured_bubble, repeat_ladder
 from deepspeed_ppq.autotune.memory import coarse, fmt_mib
 from deepspeed_ppq.autotune.plan import Plan
 from deepspeed_ppq.autotune.planner import (
@@ -626,15 +626,20 @@ def _against_stock(t: _Tuning, stock: _StockSearch, accepted: tuple | None) -> _
 
 
 def _measure_ladder(t: _Tuning, stock: _StockSearch, res: _Outcome, accepted: tuple,
-                    seed_losses: list[float]) -> list[dict]:
+                    seed_losses: list[float]) -> tuple[list[dict], list[str]]:
     """The ladder from the best stock configuration to the tuned plan, each rung measured (a rung the
-    previous one equals is left out), then every rung timed ``ab_repeats`` more times, alternating."""
+    previous one equals is left out), then every rung timed ``ab_repeats`` more times, alternating.
+    Returns the rungs and, for the report, the rungs left out and why."""
     ladder = [{"rung": "best stock configuration", "plan": res.base.to_dict(),
                "run": {**res.base_run, "quality_val_loss": seed_losses[0]}}]
+    left_out = []
     previous = res.base
     for label, rung in ladder_plans(stock.problem, res.base, accepted[0], stock.partitions):
-        if same_configuration(rung, previous):
-            continue  # this feature changes nothing here
+        if same_configuration(rung, previous):  # this feature changes nothing here
+            one = " (one stage: no boundary to move)" if rung.pipeline_degree == 1 else ""
+            left_out.append(f"{label.removesuffix(' (the tuned plan)')}: the same configuration as the rung "
+                            f"before it{one}")
+            continue
         previous = rung
         t.stamp(rung)
         if rung is accepted[0]:
@@ -653,7 +658,8 @@ def _measure_ladder(t: _Tuning, stock: _StockSearch, res: _Outcome, accepted: tu
                f"median ms {medians}")
     for rec in ladder:
         rec["bubble"] = measured_bubble(rec["run"])
-    return ladder
+    codecs = left_out_codecs(accepted[0])
+    return ladder, left_out + ([codecs] if codecs else [])
 
 
 class _Gate:
@@ -779,8 +785,8 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
             "stock DeepSpeed cannot train at this budget (every stock configuration measured over it: "
             + "; ".join(f"{m['plan']['notes'][0]}: {'; '.join(m['over'])}" for m in stock.measured)
             + ") and no plan passed the checks (see the iterations in the log)")
-    ladder = _measure_ladder(t, stock, res, accepted, seed_losses) if (
-        settings.ladder and res.outcome == "tuned") else []
+    ladder, left_out = _measure_ladder(t, stock, res, accepted, seed_losses) if (
+        settings.ladder and res.outcome == "tuned") else ([], [])
     return {
         "fingerprint": t.fingerprint,
         "settings": settings.model_dump(mode="json"),
@@ -801,6 +807,7 @@ def tune(runner: TuningRunner, settings, global_batch: int) -> dict:
         "plan": res.chosen.to_dict(),
         "ab_step_times": res.ab,
         "ladder": ladder,
+        "ladder_left_out": left_out,
         "low_bit_alternative": lowbit,
         "log": t.log,
         "seconds": time.perf_counter() - t_start,

@@ -144,6 +144,8 @@ def format_report(result: dict) -> str:
             lines.append(f"| {rec['rung']} | {run['samples_per_second']:.1f} | "
                          f"{t0 / run['measured_step_time']:.2f}x | {rec['bubble']:.1%} | {compute} | "
                          f"{peaks} | {run.get('quality_val_loss', run['val_loss']):.4f} | {conf} |")
+    if result.get("ladder"):
+        lines += ["", *[f"Left out: {why}." for why in result.get("ladder_left_out", [])]]
     g = result["gate"]
     lines += ["", f"Quality gate: baseline validation loss {g.get('mean', 0):.4f} over "
               f"{len(g.get('losses', []))} seed(s), spread {g.get('spread', 0):.4f}, limit "

@@ -506,7 +506,7 @@ def test_ladder_spends_freed_memory_on_fewer_stages():
     """When the tuned plan runs fewer pipeline stages than the best stock configuration, the fill rung
     is that degree, cut as stock DeepSpeed cuts it, with the tuned micro-batches; the rungs climb one
     feature at a time from the stock configuration to the tuned plan."""
-    from deepspeed_ppq.autotune.ladder import ladder_plans
+    from deepspeed_ppq.autotune.ladder import ladder_plans, left_out_codecs
     from deepspeed_ppq.integrations.model_layers import deepspeed_partitions
 
     prob = _problem(3, 6, world_size=2, global_batch=8, pipeline_degrees=[1, 2])
@@ -527,6 +527,10 @@ def test_ladder_spends_freed_memory_on_fewer_stages():
     assert rungs[-1][1] is tuned
     # the last rung names what the tuned plan changes after the fill rung: here nothing
     assert labels[-1] == "+ re-balanced stages (the tuned plan)"
+    # no codec rung, and the report says why: one stage has no traffic between stages
+    assert "one stage" in left_out_codecs(tuned)
+    assert "no codec candidate" in left_out_codecs(base)
+    assert left_out_codecs(dataclasses.replace(tuned, activation_codec={"method": "kbit", "bits": 8})) is None
 
 
 def test_rebalance_rung_names_what_changes():

@@ -33,6 +33,8 @@ def test_quick_demo_end_to_end(tmp_path):
     if result["outcome"] == "tuned" and result["ladder"]:  # the ladder opens the report and is plotted
         assert "## The ladder" in report and (tmp_path / "ladder.png").exists()
         assert result["ladder"][0]["rung"] == "best stock configuration"
+        for why in result["ladder_left_out"]:  # a rung left out is named in the report, with why
+            assert f"Left out: {why}." in report
         for rec in result["ladder"]:  # every rung timed 1 + ab_repeats times, the rungs alternating
             times = rec["run"]["repeat_step_times"]
             assert len(times) == 2 and rec["run"]["measured_step_time"] == statistics.median(times)
