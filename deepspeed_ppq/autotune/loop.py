@@ -637,8 +637,10 @@ def _measure_ladder(t: _Tuning, stock: _StockSearch, res: _Outcome, accepted: tu
     for label, rung in ladder_plans(stock.problem, res.base, accepted[0], stock.partitions):
         if same_configuration(rung, previous):  # this feature changes nothing here
             one = " (one stage: no boundary to move)" if rung.pipeline_degree == 1 else ""
-            left_out.append(f"{label.removesuffix(' (the tuned plan)')}: the same configuration as the rung "
-                            f"before it{one}")
+            name = label.removesuffix(" (the tuned plan)")
+            left_out.append(f"{name}: the same configuration as the rung before it{one}")
+            if name != label and len(ladder) > 1:  # the rung before it is the tuned plan
+                ladder[-1]["rung"] += " (the tuned plan)"
             continue
         previous = rung
         t.stamp(rung)

@@ -533,6 +533,45 @@ def test_ladder_spends_freed_memory_on_fewer_stages():
     assert left_out_codecs(dataclasses.replace(tuned, activation_codec={"method": "kbit", "bits": 8})) is None
 
 
+def test_ladder_says_which_rungs_it_leaves_out():
+    """The measured ladder leaves out a rung equal to the one before it and says so, with why; when that
+    rung was the tuned plan, the rung before it is marked the tuned plan. Without codecs the report says
+    why there is no codec rung. (Trials scripted: the rungs' configurations are what is checked.)"""
+    from types import SimpleNamespace
+
+    from deepspeed_ppq.autotune.loop import _measure_ladder, _Tuning, summarize
+    from deepspeed_ppq.config import AutotuneConfig
+    from deepspeed_ppq.integrations.model_layers import deepspeed_partitions
+
+    prob = _problem(3, 6, world_size=2, global_batch=8, pipeline_degrees=[1, 2])
+    counts = [layer.params for layer in prob.layers]
+    partitions = {p: {"parameters": deepspeed_partitions(counts, p)["parameters"]} for p in (1, 2)}
+    base = best_stock(prob, {2: partitions[2]})
+    tuned = plan_pipeline(_problem(3, 6, world_size=2, global_batch=8, pipeline_degrees=[1],
+                                   micro_batch_sizes=[2], optimizer_8bit=[True]))
+
+    def trial(plan, settings, seed=0, timing_only=False):
+        stages = [SimpleNamespace(stage=i, memory={"total": 1}, device_max_allocated=0,
+                                  instructions={"ForwardPass": 0.01}) for i in range(plan.pipeline_degree)]
+        return SimpleNamespace(stages=stages, step_time=0.1, step_times=[0.1], val_loss=1.0, peak_memory=1,
+                               wire={})
+
+    t = _Tuning(SimpleNamespace(log=lambda msg: None, run_trial=trial), AutotuneConfig(ab_repeats=0),
+                global_batch=8, profile=SimpleNamespace(threads_per_rank=1))
+    t.quality = lambda plan, seed: 1.0
+    res = SimpleNamespace(base=base, base_run=summarize(base, trial(base, None)))
+    ladder, left_out = _measure_ladder(t, SimpleNamespace(problem=prob, partitions=partitions), res,
+                                       (tuned, summarize(tuned, trial(tuned, None))), [1.0])
+    assert [rec["rung"] for rec in ladder] == [
+        "best stock configuration", "+ low-bit weights and optimizer states at the stock schedule",
+        "+ freed memory spent on fill (2 -> 1 pipeline stages, micro-batches, recomputation) "
+        "(the tuned plan)"]
+    assert left_out == [
+        "+ re-balanced stages: the same configuration as the rung before it "
+        "(one stage: no boundary to move)",
+        "+ compressed boundaries: the tuned plan runs one stage, so no traffic goes between stages"]
+
+
 def test_rebalance_rung_names_what_changes():
     """After the fill rung (one level on every stage at the stock cut), the tuned plan may move the
     boundaries, give each stage its own precision, or both; the rung says which."""
