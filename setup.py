@@ -13,7 +13,7 @@
   ``csrc/cuda/*_binding.cpp`` files) is built only where PyTorch has CUDA.
 * ``PPQ_SKIP_NATIVE=1`` skips both; the package then runs on its plain-PyTorch reference kernels.
 * ``PPQ_MARCH=<arch>`` (opt-in, e.g. ``native``) builds one CPU module, ``deepspeed_ppq._C_native``,
-  with ``-march=<arch>`` instead of the three above; its kernels take the widest path that arch
+  with ``-march=<arch>`` instead of the four above; its kernels take the widest path that arch
   enables, and it runs only on CPUs that have everything ``<arch>`` implies.
 * ``PPQ_CPU_ISAS=scalar,avx2`` (opt-in) builds only the listed variants (quicker development builds).
 

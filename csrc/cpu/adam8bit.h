@@ -41,11 +41,6 @@ struct Map {
   bool lut = true;  // false: some cell holds two midpoints (or a shared cell one); encode() bisects
   // The decode's byte planes (avx512vbmi): plane[k][i] = byte k of value[i].
   alignas(64) uint8_t plane[4][256];
-  // Position 16 L + 4 k + t of the permuted codes holds code 16 k + 4 L + t (decode64).
-  alignas(64) static constexpr uint8_t kShuffle[64] = {
-      0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4,  5,  6,  7,  20, 21,
-      22, 23, 36, 37, 38, 39, 52, 53, 54, 55, 8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43,
-      56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};  // false: some cell holds two midpoints (or a shared cell one); encode() bisects
 };
 
 inline std::unique_ptr<Map> build_map(const float* v) {
@@ -141,12 +136,23 @@ PPQ_ALWAYS_INLINE inline __m512i encode16(const Map& m, __m512 y) {
 #endif
 
 #ifdef __AVX512VBMI__
+// decode64's permutation: position 16 L + 4 k + t of the permuted codes holds code 16 k + 4 L + t.
+struct CodeShuffle {
+  alignas(64) uint8_t v[64];
+  constexpr CodeShuffle() : v{} {
+    for (int L = 0; L < 4; ++L)
+      for (int k = 0; k < 4; ++k)
+        for (int t = 0; t < 4; ++t) v[16 * L + 4 * k + t] = uint8_t(16 * k + 4 * L + t);
+  }
+};
+inline constexpr CodeShuffle kShuffle{};
+
 // The values of 64 codes (bytes at c), 16 per vector in order: each of a value's four bytes is a
 // 256-entry byte look-up (two 128-entry vpermi2b, picked by the code's top bit), and two rounds of
 // unpacks interleave the four byte planes into floats. The unpacks work within 128-bit lanes, so the
 // codes are first permuted (kShuffle) such that vector k comes out holding codes 16k..16k+15.
 PPQ_ALWAYS_INLINE inline void decode64(const Map& m, const uint8_t* c, __m512 out[4]) {
-  const __m512i idx = _mm512_permutexvar_epi8(_mm512_load_si512(Map::kShuffle), _mm512_loadu_si512(c));
+  const __m512i idx = _mm512_permutexvar_epi8(_mm512_load_si512(kShuffle.v), _mm512_loadu_si512(c));
   const __mmask64 top = _mm512_movepi8_mask(idx);
   __m512i b[4];
   for (int k = 0; k < 4; ++k) {

@@ -480,7 +480,7 @@ inline void store_bytes(int64_t len, uint8_t* out, F code16) {
                                       0, 0, 0, 0, 0, 0, 124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80,
                                       76, 72, 68, 64, 60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
   int64_t i = 0;
-#ifdef __AVX512VBMI__  // a PPQ_MARCH build for a CPU with VBMI; x86-64-v4 has no byte permute
+#ifdef __AVX512VBMI__  // the avx512vbmi module (or PPQ_MARCH); x86-64-v4 has no byte permute
   for (; i + 32 <= len; i += 32) {
     const __m512i both = _mm512_permutex2var_epi8(code16(i), idx, code16(i + 16));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_castsi512_si256(both));
