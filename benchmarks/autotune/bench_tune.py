@@ -44,7 +44,7 @@ sys.path[:0] = [str(ROOT / "examples" / "demo"), str(ROOT / "examples")]  # work
 from _harness import RESULTS, loadavg, machine, machine_line, write_report  # noqa: E402
 from workloads import SCRIPT, ds_config, script_args, settings  # noqa: E402
 
-from deepspeed_ppq.autotune.ladder import measured_bubble, stage_compute  # noqa: E402
+from deepspeed_ppq.autotune.ladder import left_out_lines, measured_bubble, stage_compute  # noqa: E402
 from deepspeed_ppq.autotune.plan import Plan  # noqa: E402
 
 
@@ -199,7 +199,7 @@ def _markdown(w, m: dict, ladder: dict | None, rows: list[dict], budget_ref: flo
                 md.append("| (no ladder: the tuned plan did not beat the best stock configuration) |"
                           " | | | | | | |")
             if lrows:
-                md += ["", *[f"Left out: {why}." for why in ladder.get("ladder_left_out", [])]]
+                md += ["", *left_out_lines(ladder.get("ladder_left_out", []))]
             md += ["", "Tuner log:", "", *[f"    {line}" for line in ladder["log"]], ""]
     if rows:
         md += ["## Budget sweep", "",

@@ -22,6 +22,7 @@ import math
 import statistics
 
 from deepspeed_ppq.autotune.costs import NO_CODEC, CodecOption
+from deepspeed_ppq.autotune.memory import MIB
 from deepspeed_ppq.autotune.plan import Plan
 from deepspeed_ppq.autotune.planner import Knobs, PlanningProblem, optimizer_units
 
@@ -230,5 +231,5 @@ def describe_extra(extra: dict) -> str:
     """``activation_extra_bytes`` in words, for logs and reports."""
     if not extra:
         return "activations as profiled (no trial without recomputation)"
-    by_size = ", ".join(f"{b}: +{v / 2**20:.2f}" for b, v in sorted(extra.items(), key=lambda kv: int(kv[0])))
+    by_size = ", ".join(f"{b}: +{v / MIB:.2f}" for b, v in sorted(extra.items(), key=lambda kv: int(kv[0])))
     return f"activations beyond the profile, MiB per stage by micro-batch size: {by_size}"

@@ -48,14 +48,24 @@ def rebalance_label(fill: Plan, tuned: Plan) -> str:
     return "+ re-balanced stages" + (f" ({' and '.join(what)})" if what else "")
 
 
+def _compresses(plan: Plan) -> bool:
+    """Whether a plan compresses the traffic between its stages (either direction)."""
+    return plan.activation_codec != {"method": "none"} or plan.gradient_codec != {"method": "none"}
+
+
 def left_out_codecs(tuned: Plan) -> str | None:
     """Why the ladder has no codec rung (None when it has one): the tuned plan compresses no traffic."""
-    if tuned.activation_codec != {"method": "none"} or tuned.gradient_codec != {"method": "none"}:
+    if _compresses(tuned):
         return None
     if tuned.pipeline_degree == 1:
         return "+ compressed boundaries: the tuned plan runs one stage, so no traffic goes between stages"
     return ("+ compressed boundaries: the tuned plan compresses no traffic (no codec candidate was predicted "
             "to pay on the measured link)")
+
+
+def left_out_lines(left_out: list[str]) -> list[str]:
+    """The rungs a ladder left out (``tune()``'s ``ladder_left_out``), as the lines below its table."""
+    return [f"Left out: {why}." for why in left_out]
 
 
 def ladder_plans(problem: PlanningProblem, base: Plan, tuned: Plan,
@@ -105,7 +115,7 @@ def ladder_plans(problem: PlanningProblem, base: Plan, tuned: Plan,
                            tuned.num_microbatches, tuned.boundaries, rec_tuned, False)))
     except ValueError:  # a level the optimizer setting does not allow: no intermediate rungs
         rungs = []
-    if tuned.activation_codec != {"method": "none"} or tuned.gradient_codec != {"method": "none"}:
+    if _compresses(tuned):
         rungs.append(("+ compressed boundaries (the tuned plan)", tuned))
     elif rungs:
         rungs[-1] = (rungs[-1][0] + " (the tuned plan)", tuned)

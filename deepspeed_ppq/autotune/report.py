@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 
 from deepspeed_ppq.autotune.calibrate import describe_extra
-from deepspeed_ppq.autotune.ladder import stage_compute
+from deepspeed_ppq.autotune.ladder import left_out_lines, stage_compute
 from deepspeed_ppq.autotune.loop import CHALLENGERS
 from deepspeed_ppq.autotune.memory import CATEGORIES, MIB
 from deepspeed_ppq.autotune.plan import Plan
@@ -145,7 +145,7 @@ def format_report(result: dict) -> str:
                          f"{t0 / run['measured_step_time']:.2f}x | {rec['bubble']:.1%} | {compute} | "
                          f"{peaks} | {run.get('quality_val_loss', run['val_loss']):.4f} | {conf} |")
     if result.get("ladder"):
-        lines += ["", *[f"Left out: {why}." for why in result.get("ladder_left_out", [])]]
+        lines += ["", *left_out_lines(result.get("ladder_left_out", []))]
     g = result["gate"]
     lines += ["", f"Quality gate: baseline validation loss {g.get('mean', 0):.4f} over "
               f"{len(g.get('losses', []))} seed(s), spread {g.get('spread', 0):.4f}, limit "

@@ -502,20 +502,27 @@ def test_back_off_gives_masters_back_first():
     assert "int8 removed" in back_off(plan, prob)
 
 
-def test_ladder_spends_freed_memory_on_fewer_stages():
-    """When the tuned plan runs fewer pipeline stages than the best stock configuration, the fill rung
-    is that degree, cut as stock DeepSpeed cuts it, with the tuned micro-batches; the rungs climb one
-    feature at a time from the stock configuration to the tuned plan."""
-    from deepspeed_ppq.autotune.ladder import ladder_plans, left_out_codecs
+def _fewer_stages_case():
+    """A problem on 1 or 2 stages, DeepSpeed's 'parameters' cuts, the best stock configuration (2 stages)
+    and a plan on one stage (the other rank data parallel): micro-batch 2, 8-bit Adam."""
     from deepspeed_ppq.integrations.model_layers import deepspeed_partitions
 
     prob = _problem(3, 6, world_size=2, global_batch=8, pipeline_degrees=[1, 2])
     counts = [layer.params for layer in prob.layers]
     partitions = {p: {"parameters": deepspeed_partitions(counts, p)["parameters"]} for p in (1, 2)}
     base = best_stock(prob, {2: partitions[2]})
-    # the plan on one stage (the other rank data parallel): micro-batch 2, 8-bit Adam
     tuned = plan_pipeline(_problem(3, 6, world_size=2, global_batch=8, pipeline_degrees=[1],
                                    micro_batch_sizes=[2], optimizer_8bit=[True]))
+    return prob, partitions, base, tuned
+
+
+def test_ladder_spends_freed_memory_on_fewer_stages():
+    """When the tuned plan runs fewer pipeline stages than the best stock configuration, the fill rung
+    is that degree, cut as stock DeepSpeed cuts it, with the tuned micro-batches; the rungs climb one
+    feature at a time from the stock configuration to the tuned plan."""
+    from deepspeed_ppq.autotune.ladder import ladder_plans, left_out_codecs
+
+    prob, partitions, base, tuned = _fewer_stages_case()
     assert tuned.pipeline_degree == 1 and tuned.optimizer_8bit
     rungs = ladder_plans(prob, base, tuned, partitions)
     labels = [label for label, _ in rungs]
@@ -541,14 +548,8 @@ def test_ladder_says_which_rungs_it_leaves_out():
 
     from deepspeed_ppq.autotune.loop import _measure_ladder, _Tuning, summarize
     from deepspeed_ppq.config import AutotuneConfig
-    from deepspeed_ppq.integrations.model_layers import deepspeed_partitions
 
-    prob = _problem(3, 6, world_size=2, global_batch=8, pipeline_degrees=[1, 2])
-    counts = [layer.params for layer in prob.layers]
-    partitions = {p: {"parameters": deepspeed_partitions(counts, p)["parameters"]} for p in (1, 2)}
-    base = best_stock(prob, {2: partitions[2]})
-    tuned = plan_pipeline(_problem(3, 6, world_size=2, global_batch=8, pipeline_degrees=[1],
-                                   micro_batch_sizes=[2], optimizer_8bit=[True]))
+    prob, partitions, base, tuned = _fewer_stages_case()
 
     def trial(plan, settings, seed=0, timing_only=False):
         stages = [SimpleNamespace(stage=i, memory={"total": 1}, device_max_allocated=0,
