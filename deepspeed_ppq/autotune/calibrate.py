@@ -18,6 +18,7 @@ Every trial is a ``(plan, summary)`` pair, ``summary`` as ``loop.summarize`` wri
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 
@@ -208,9 +209,12 @@ def calibrate_memory(problem: PlanningProblem, runs: list[tuple[Plan, dict]]) ->
     extra = dict(problem.activation_extra_bytes)
     per_param = problem.step_transient_bytes_per_param
     problem.activation_extra_bytes = {}  # predict the profile's bytes alone
+    # the step phase holds every gradient: predicted without grads_freed_after_step, which lowers only
+    # "gradients" (to what the pipeline phase's peak holds of them)
+    whole = dataclasses.replace(problem, grads_freed_after_step=False)
     for plan, run in runs:
         b = plan.micro_batch_size
-        for sp, pred, st in zip(plan.stages, predict(problem, plan)["memory"], run["stages"]):
+        for sp, pred, st in zip(plan.stages, predict(whole, plan)["memory"], run["stages"]):
             phases = st["measured_memory"].get("phases") or {"pipeline": st["measured_memory"]}
             pipe = phases.get("pipeline")
             if pipe and not sp.recompute:

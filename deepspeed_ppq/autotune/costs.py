@@ -150,6 +150,14 @@ class LayerProfile:
             "optimizer": optimizer_bytes(self.param_numels, optimizer_8bit),
         }
 
+    def freed_grad_bytes(self, fmt: str, master_free: bool = False) -> int:
+        """The part of ``static_bytes``' gradients that is parameter ``.grad`` tensors (4 B per value):
+        every parameter's but a master-free weight's, whose buffer stays allocated. An engine that
+        frees gradients after its optimizer step (``PlanningProblem.grads_freed_after_step``) holds
+        these only from a backward to the step."""
+        q = self.quantizable_params if master_free and fmt != "none" else 0
+        return 4 * (self.params - q)
+
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 

@@ -65,6 +65,7 @@ __all__ = [
 
 MEMORY_CATEGORIES = PREDICTED  # weights, master_weights, gradients, optimizer, activations, comm_buffers, ...
 _INF = float("inf")
+_BIG = 1e30  # an empty range's maximum in the segment tables (finite: no inf - inf)
 
 
 class InfeasibleBudgetError(ValueError):
@@ -115,6 +116,15 @@ class PlanningProblem:
             its pipe buffers plus the larger of its activations and this transient.
         step_fixed_bytes: bytes per stage around the optimizer step that do not scale with its parameters
             (tensors the engine keeps from the last micro-batch); calibrated.
+        grads_freed_after_step: the engine frees the parameter gradients after its optimizer step
+            (DeepSpeed's pipeline engine zeroes them to None). A stage that runs all of a step's forwards
+            before its first backward (no more micro-batches than it holds in flight: one micro-batch
+            per step, or GPipe) then makes them during that backward while its activations go, layer
+            by layer from the last: its pipeline-phase peak is the largest, over that backward, of the
+            activations still kept plus the gradients made so far, not all of both. The pre-training
+            trials measured 110.8 MiB in the pipeline phase of one stage of micro-batch 8 x 1 (gradients
+            0.5 MiB there), which all of both had put at 146.1 (its step phase, 134.3 MiB, was the peak).
+            Master-free weights keep their gradient buffers (``LayerProfile.freed_grad_bytes``).
         activation_extra_bytes: per micro-batch size measured, the bytes a stage holds in the pipeline
             phase beyond its profiled activations and pipe buffers (the engine keeps copies of received
             activations, outputs until they are sent, ...): the largest over the stages measured, added
@@ -143,6 +153,7 @@ class PlanningProblem:
     step_transient_bytes_per_param: float = 0.0
     step_fixed_bytes: float = 0.0
     activation_extra_bytes: dict[int, float] = field(default_factory=dict)
+    grads_freed_after_step: bool = False
 
     def activation_extra_for(self, micro_batch_size: int) -> float:
         """The bytes a stage holds beyond the profile at a micro-batch size: those measured there, else
@@ -286,7 +297,21 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
     params = sum(layer.params for layer in layers)
     transient = prob.step_transient_bytes_per_param * params + prob.step_fixed_bytes
     mem["temporaries"] = int(max(0.0, transient - mem["activations"]))
+    if _grads_made_in_backward(prob, k, n_act):
+        # the backward of layer t holds the kept activations of layers <= t and the gradients of
+        # layers >= t; the step all the gradients. "gradients" is what the peak holds beyond the
+        # activations of every layer (the sum stays the peak, whichever phase it is in)
+        freed = [layer.freed_grad_bytes(layer.format_for(c.level), k.master_free) for layer in layers]
+        over = max(sum(kept[: t + 1]) + sum(freed[t:]) for t in range(len(layers))) - sum(kept)
+        pg = sum(freed)
+        mem["gradients"] -= pg - int(min(pg, max(over, pg + transient - mem["activations"])))
     return mem
+
+
+def _grads_made_in_backward(prob: PlanningProblem, k: Knobs, n_act: int) -> bool:
+    """Whether a stage holding ``n_act`` micro-batches in flight makes its parameter gradients during
+    its first backward of a step, after all of its forwards (``grads_freed_after_step``)."""
+    return prob.grads_freed_after_step and k.num_microbatches <= n_act
 
 
 def optimizer_units(prob: PlanningProblem, k: Knobs, layer: LayerProfile, fmt: str) -> float:
@@ -380,10 +405,11 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
     rc = np.array([layer.recomputable for layer in layers])
     shape = (len(options), N, N)
     t_opt, static_opt, act_opt, transient_opt, ws_opt = (np.zeros(shape) for _ in range(5))
+    freed_opt, over_opt = np.zeros(shape), np.zeros(shape)  # gradients made in the backward (stage_memory)
     ii, jj = np.meshgrid(np.arange(N), np.arange(N), indexing="ij")
 
-    def range_max(x: np.ndarray) -> np.ndarray:  # out[i, j] = max(x[i:j]), 0 when empty
-        out = np.zeros((N, N))
+    def range_max(x: np.ndarray, empty: float = 0.0) -> np.ndarray:  # out[i, j] = max(x[i:j])
+        out = np.full((N, N), empty)
         for i in range(L):
             out[i, i + 1 :] = np.maximum.accumulate(x[i:])
         return out
@@ -400,18 +426,26 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
         trans = {r: range_max(np.array([layer.transient_bytes(f, r, b) for layer, f in zip(layers, fmts)],
                                        dtype=float)) for r in (False, True)}
         ws = np.array([layer.workspace_bytes.get(f, 0) for layer, f in zip(layers, fmts)], dtype=float)
+        pre_saved = _prefix(saved)
+        pre_rc = _prefix(np.where(rc, in_b * b, saved))  # checkpointed layers keep only their input
+        pre_g = _prefix([layer.freed_grad_bytes(f, master_free) for layer, f in zip(layers, fmts)])
         per_level[level] = (
             _seg(_prefix(tm[:, 0])),
             _seg(_prefix(np.where(rc, tm[:, 0], 0.0))),
             _seg(_prefix(tm[:, 1] + tm[:, 2])),
             _seg(_prefix(stat)),
-            _prefix(saved),
-            _prefix(np.where(rc, in_b * b, saved)),  # checkpointed layers keep only their input
+            pre_saved,
+            pre_rc,
             trans,
             range_max(ws),  # the largest dequantization buffer of the segment
+            pre_g,
+            # the backward of layer t in [i, j): kept activations of [i, t] + gradients of [t, j) is
+            # (pre[t + 1] - pre_g[t]) - pre[i] + pre_g[j], pre by whether t recomputes
+            range_max(pre_rc[1:] - pre_g[:-1], -_BIG),
+            range_max(pre_saved[1:] - pre_g[:-1], -_BIG),
         )
     for o, (level, rec, keep) in enumerate(options):
-        fwd, fwd_rc, bwd, stat, pre_saved, pre_rc, trans, ws = per_level[level]
+        fwd, fwd_rc, bwd, stat, pre_saved, pre_rc, trans, ws, pre_g, top_rc, top_saved = per_level[level]
         # layers [i, m) recompute, [m, j) keep their activations; the largest backward transient on top
         m = np.maximum(ii, jj - keep) if rec else ii
         t_opt[o] = fwd + fwd_rc[ii, m] + bwd
@@ -419,7 +453,11 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
         act_opt[o] = pre_rc[m] - pre_rc[ii] + pre_saved[jj] - pre_saved[m]
         transient_opt[o] = np.maximum(trans[True][ii, m], trans[False][m, jj])
         ws_opt[o] = ws
-    return options, t_opt, static_opt + ws_opt, act_opt, transient_opt
+        freed_opt[o] = pre_g[jj] - pre_g[ii]
+        # stage_memory's "over": the largest of those backward sums beyond the kept activations
+        top = np.maximum(top_rc[ii, m], top_saved[m, jj] + pre_rc[m] - pre_saved[m])
+        over_opt[o] = np.where(jj > ii, top - pre_rc[ii] + pre_g[jj] - act_opt[o], 0.0)
+    return options, t_opt, static_opt + ws_opt, act_opt, transient_opt, freed_opt, over_opt
 
 
 def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) -> _Tables:
@@ -433,7 +471,7 @@ def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) 
             cache[key] = tabs
     else:
         tabs = cache[key]
-    options, t_compute, static_opt, act_opt, transient_opt = tabs
+    options, t_compute, static_opt, act_opt, transient_opt, freed_opt, over_opt = tabs
     ii, jj = np.meshgrid(np.arange(N), np.arange(N), indexing="ij")
     valid = jj > ii
     # boundary costs: the receive side depends on i, the send side on j
@@ -461,7 +499,10 @@ def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) 
         n_act, n_buf = held
         act = n_act * act_opt + transient_opt + extra
         bufs = n_buf * buf_per + grad_buf
-        mem = static_opt + np.maximum(act, step_transient) + bufs  # [O, N, N]
+        if _grads_made_in_backward(prob, k, n_act):  # stage_memory's sum
+            mem = static_opt - freed_opt + np.maximum(act + over_opt, freed_opt + step_transient) + bufs
+        else:
+            mem = static_opt + np.maximum(act, step_transient) + bufs  # [O, N, N]
         mem = np.where(valid, mem, _INF)
         min_mem[s] = mem.min(axis=0)
         t_fit = np.where(mem <= budget, t_opt, _INF)

@@ -43,6 +43,8 @@ class Profile:
             loop refits from measured trials.
         threads_per_rank: intra-op threads each rank computes with (CPU); the plans record it, since
             their measured times hold for it.
+        grads_freed_after_step: the engine frees parameter gradients after its optimizer step
+            (``PlanningProblem.grads_freed_after_step``).
     """
 
     layers: list[LayerProfile]
@@ -51,6 +53,7 @@ class Profile:
     optimizer_costs: dict[str, float]
     step_transient_bytes_per_param: float = 0.0
     threads_per_rank: int | None = None
+    grads_freed_after_step: bool = False
 
     def to_dict(self) -> dict:
         return {
@@ -60,6 +63,7 @@ class Profile:
             "optimizer_costs": dict(self.optimizer_costs),
             "step_transient_bytes_per_param": self.step_transient_bytes_per_param,
             "threads_per_rank": self.threads_per_rank,
+            "grads_freed_after_step": self.grads_freed_after_step,
         }
 
     @classmethod
@@ -73,6 +77,7 @@ class Profile:
             optimizer_costs=dict(d["optimizer_costs"]),
             step_transient_bytes_per_param=float(d.get("step_transient_bytes_per_param", 0.0)),
             threads_per_rank=d.get("threads_per_rank"),
+            grads_freed_after_step=bool(d.get("grads_freed_after_step", False)),
         )
 
 

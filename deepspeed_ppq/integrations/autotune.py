@@ -52,9 +52,18 @@ __all__ = ["DeepSpeedRunner", "autotune"]
 
 # the engine instructions of the step phase (memory is measured per phase)
 _STEP_INSTRUCTIONS = ("ReduceGrads", "ReduceTiedGrads", "OptimizerStep")
+
 # DeepSpeed's engine flattens the gradients into one buffer for its data-parallel reduce (even with
 # one replica): about one fp32 gradient per parameter. A prior; the loop refits it from measurements.
 _DS_STEP_TRANSIENT = 4.0
+
+
+def _grads_freed_after_step(ds_config: dict) -> bool:
+    """Whether DeepSpeed's engine frees the parameter gradients after its step: in fp32 without ZeRO it
+    sets every ``.grad`` to None (``DeepSpeedEngine.zero_grad``); the bf16/fp16 and ZeRO optimizers keep
+    gradient buffers of their own."""
+    mixed = any((ds_config.get(k) or {}).get("enabled") for k in ("bf16", "bfloat16", "fp16"))
+    return not mixed and not (ds_config.get("zero_optimization") or {}).get("stage", 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,6 +182,7 @@ class DeepSpeedRunner:
         link = self.share(profiler.measure_link())
         prof.link = link
         prof.threads_per_rank = torch.get_num_threads()
+        prof.grads_freed_after_step = _grads_freed_after_step(self.ds_config)
         return prof
 
     # ----- a trial ----------------------------------------------------------------------------------

@@ -489,6 +489,65 @@ def test_master_free_bf16_gradients_halve_their_buffers():
         stage_memory(PlanningProblem(**{**prob.__dict__, "master_free_grad_dtype": "fp16"}), kf, c, 0)
 
 
+def test_gradients_made_in_backward_are_not_counted_under_the_activations():
+    """With ``grads_freed_after_step`` (DeepSpeed frees ``.grad`` after its step), a stage that runs all of
+    a step's forwards before its first backward makes its gradients during that backward while its
+    activations go: the pipeline-phase peak is the largest over the backward of the activations still
+    kept plus the gradients made so far; the step phase holds every gradient. A stage that runs a
+    forward after a backward (more micro-batches than in flight) holds both, as before; master-free
+    gradient buffers stay allocated."""
+    from deepspeed_ppq.autotune.planner import stage_memory
+
+    prob = _problem(6, 6, world_size=1, global_batch=4, pipeline_degrees=[1], master_free=[False, True])
+    freed = PlanningProblem(**{**prob.__dict__, "grads_freed_after_step": True})
+    c = StageChoice(0, 6, "none", False)
+    one, two = _knobs(1, 4, 1), _knobs(1, 2, 2)  # 4 x 1: every forward first; 2 x 2: a forward after
+    assert stage_memory(freed, two, c, 0) == stage_memory(prob, two, c, 0)
+    held, lean = stage_memory(prob, one, c, 0), stage_memory(freed, one, c, 0)
+    kept = [layer.saved_bytes["none"] * 4 for layer in prob.layers]
+    grads = [4 * layer.params for layer in prob.layers]
+    peak = max(sum(kept[: t + 1]) + sum(grads[t:]) for t in range(6))
+    assert held["gradients"] == sum(grads) and held["temporaries"] == 0  # no step transient here
+    assert sum(held.values()) - sum(lean.values()) == sum(kept) + sum(grads) - peak > 0
+    assert {x: lean[x] for x in lean if x != "gradients"} == {x: held[x] for x in held if x != "gradients"}
+    # a step transient larger than the activations: the step phase (every gradient) is the peak again
+    big = PlanningProblem(**{**freed.__dict__, "step_fixed_bytes": float(sum(kept) + sum(grads))})
+    step = stage_memory(big, one, c, 0)
+    assert sum(step.values()) == sum(held.values()) - held["activations"] + big.step_fixed_bytes
+    # master-free weights keep their gradient buffers: only the other parameters' .grad is made late
+    kf, cq = _knobs(1, 4, 1, master_free=True), StageChoice(0, 6, "int8", False)
+    q_bytes = 4 * sum(layer.quantizable_params for layer in prob.layers)
+    assert (sum(stage_memory(prob, kf, cq, 0).values()) - sum(stage_memory(freed, kf, cq, 0).values())
+            < sum(held.values()) - sum(lean.values()))
+    assert sum(layer.freed_grad_bytes("int8", True) for layer in prob.layers) == sum(grads) - q_bytes
+
+
+@pytest.mark.parametrize("seed", range(9))
+def test_segment_tables_equal_stage_memory(seed):
+    """The DP's vectorised memory tables give, for every stage position and segment, the smallest of
+    ``stage_memory`` over the stage options: recomputation (partial too), master-free levels, a step
+    transient, and gradients made in the backward (GPipe, or no more micro-batches than in flight)."""
+    from deepspeed_ppq.autotune.planner import _segment_tables, stage_memory
+
+    rng = random.Random(200 + seed)
+    L, p = rng.choice([(5, 1), (6, 2), (7, 3)])
+    # activations of micro-batch 2 or 4 against gradients of the same order, a step transient that
+    # sometimes binds
+    prob = _problem(seed, L, world_size=p, global_batch=8, recompute_keep=(1, 2),
+                    allow_recompute=seed % 3 != 1, grads_freed_after_step=seed % 3 != 2,
+                    step_transient_bytes_per_param=rng.choice([0.0, 1.0]),
+                    step_fixed_bytes=rng.uniform(0, 20_000), activation_extra_bytes={1: 3000.0})
+    k = _knobs(p, rng.choice([2, 4]), rng.choice([1, 2, 4]), schedule=rng.choice(["1f1b", "gpipe"]),
+               optimizer_8bit=bool(seed % 2), master_free=seed % 4 < 2)
+    tabs = _segment_tables(prob, k)
+    for s in range(p):
+        for i in range(L):
+            for j in range(i + 1, L + 1):
+                want = min(sum(stage_memory(prob, k, StageChoice(i, j, lv, r, min(keep, j - i)), s).values())
+                           for lv, r, keep in tabs.options)
+                assert tabs.min_memory[s, i, j] == pytest.approx(want, abs=2.0), (s, i, j)  # int bytes
+
+
 def test_back_off_gives_masters_back_first():
     from deepspeed_ppq.autotune.loop import back_off
 
