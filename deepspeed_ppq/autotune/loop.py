@@ -8,13 +8,16 @@
    models are refitted to every trial so far (``calibrate``) and the candidates re-ranked; after
    ``stock_trials`` that fit, the search goes on while the next candidate that the model says may fit
    (predicted within the budget plus its tolerance, the limit the measurement applies) is predicted
-   within ``stock_margin`` of the best measured. The stock configurations that fit and measured within
-   ``stock_margin`` of the fastest are then timed ``ab_repeats`` more times, alternating (one trial
-   swings by 10-30% on a shared machine: a single trial would pick the baseline by noise); the lowest
-   median is the baseline. Its validation loss is measured over ``seeds`` seeds: the quality gate's
-   noise. When no stock configuration fits (measured), stock DeepSpeed cannot train at this budget:
-   the one with the smallest measured peak, run over the budget, is the quality reference, and a plan
-   that passes the checks is the outcome (``"stock_does_not_fit"``) with no speedup claimed.
+   within ``stock_margin`` of the best measured; then the fastest candidate predicted over that limit but
+   within ``MEMORY_PROBE`` of the budget is measured when it is predicted faster than the best measured
+   (the tuned plans' memory probe, step 5, on the stock side). The stock configurations that fit and
+   measured within ``stock_margin`` of the fastest are then timed ``ab_repeats`` more times,
+   alternating (one trial swings by 10-30% on a shared machine: a single trial would pick the baseline
+   by noise); the lowest median is the baseline. Its validation loss is measured over ``seeds`` seeds:
+   the quality gate's noise. When no stock configuration fits (measured), stock DeepSpeed cannot
+   train at this budget: the one with the smallest measured peak, run over the budget, is the quality
+   reference, and a plan that passes the checks is the outcome (``"stock_does_not_fit"``) with no
+   speedup claimed.
 3. **Calibrate**: the models as fitted to every measured stock trial.
 4. **Plan** jointly (``planner.plan_pipeline``): low-bit weights under the precision policy, 8-bit
    optimizer states, master-free weights, the memory they free spent on micro-batches and less
@@ -361,6 +364,12 @@ def _search_stock(t: _Tuning, problem: PlanningProblem) -> _StockSearch:
     else:
         stop = f"{len(measured)} stock trials, the cap ({_STOCK_TRIAL_CAP} x stock_trials)"
     t.note(f"stock search: {len(measured)} configurations measured; stopped: {stop}")
+    fit_times = [m["run"]["measured_step_time"] for m in measured if m["fits"]]
+    probe = _stock_probe(settings, cands, tried, fit_times)
+    if probe is not None:
+        t.note(f"stock memory probe (predicted over the budget, within {MEMORY_PROBE:.0%} of it, and faster "
+               "than the best measured):")
+        measure_stock(probe)
     fits = [m for m in measured if m["fits"]]
     smallest = min(cands, key=lambda c: max(sp.peak_memory for sp in c.stages))
     if not fits and smallest.notes[0] not in tried:
@@ -383,6 +392,20 @@ def _search_stock(t: _Tuning, problem: PlanningProblem) -> _StockSearch:
                f"{best['plan']['notes'][0]}, peaks at {fmt_mib(best['run']['peak_memory'])} "
                f"({'; '.join(best['over'])}); it is the quality reference, run over the budget")
     return _StockSearch(problem, partitions, cands, measured, runs, time_cal, mem_cal, best, bool(fits))
+
+
+def _stock_probe(settings, cands: list[Plan], tried: set[str], fit_times: list[float]) -> Plan | None:
+    """The stock configuration the search measures beyond what the model says fits, as the tuned plans
+    get ``_memory_probe``: the fastest predicted one not yet measured, when its predicted peak is within
+    ``MEMORY_PROBE`` of the budget and it is predicted faster than the best measured. A skilled user
+    tries the faster setting that may just fit; the model's prediction misses a measured peak by several
+    percent either way."""
+    if settings.memory_budget is None or not fit_times:
+        return None
+    wider = settings.memory_budget * (1 + MEMORY_PROBE)
+    nxt = next((c for c in cands if c.notes[0] not in tried and not may_fit(settings, c)
+                and all(sp.peak_memory <= wider for sp in c.stages)), None)  # the fastest first
+    return nxt if nxt is not None and nxt.predicted_step_time < min(fit_times) else None
 
 
 def _stock_final(t: _Tuning, fits: list[dict]) -> dict:

@@ -7,6 +7,7 @@ import json
 import math
 import random
 from itertools import combinations, product
+from types import SimpleNamespace
 
 import pytest
 
@@ -811,6 +812,77 @@ def test_stock_search_measures_the_smallest_configuration_when_none_fits():
     assert any(x.startswith("stock search: 1 configurations measured; stopped: every stock candidate")
                for x in t.log)
     assert stock.fits and stock.best["plan"]["notes"] == smallest.notes
+
+
+def test_stock_search_probes_a_faster_configuration_predicted_just_over_the_budget():
+    """The stock side gets the tuned plans' memory probe: after the search, the fastest stock configuration
+    the model puts over the budget's limit but within ``MEMORY_PROBE`` of the budget is measured when it
+    is predicted faster than the best measured; measured within the limit and faster, it is the baseline.
+    With no configuration predicted in that band, nothing more is measured."""
+    from deepspeed_ppq.autotune.calibrate import predict
+    from deepspeed_ppq.autotune.costs import NO_CODEC
+    from deepspeed_ppq.autotune.loop import MEMORY_PROBE, _search_stock, _Tuning
+    from deepspeed_ppq.autotune.planner import stock_candidates
+    from deepspeed_ppq.autotune.runner import Profile, StageMeasurement, TrialResult
+    from deepspeed_ppq.config import AutotuneConfig
+    from deepspeed_ppq.integrations.model_layers import deepspeed_partitions
+
+    layers = _problem(7, 8, world_size=2, global_batch=8).layers
+    cuts = {p: deepspeed_partitions([layer.params for layer in layers], p) for p in (1, 2)}
+    profile = Profile(layers=layers, codecs=[NO_CODEC], link=LinkModel(latency_s=1e-4, bandwidth_Bps=1e8),
+                      optimizer_costs={"adam": 1e-9, "adam8bit": 2e-7})
+    tol = AutotuneConfig().memory_tolerance
+
+    def peak(c) -> float:
+        return max(sp.peak_memory for sp in c.stages)
+
+    def search(budget: int):
+        """Configurations the model puts over the limit measure 10% under their prediction and 10% faster;
+        the others as predicted. The phases measured as predicted leave the memory model as it is."""
+        settings = AutotuneConfig(ab_repeats=0, stock_trials=1, stock_margin=0.0, memory_budget=budget)
+        runs = []
+
+        class Runner:
+            world_size = 2
+
+            def log(self, msg):
+                pass
+
+            def stock_partitions(self, p):
+                return cuts[p]
+
+            def run_trial(self, plan, settings, seed=0, steps=None, timing_only=False):
+                runs.append(plan.notes[0])
+                pred = predicted[plan.notes[0]]
+                f = 0.9 if max(sum(m.values()) for m in pred) > budget * (1 + tol) else 1.0
+                stages = []
+                for i, m in enumerate(pred):
+                    act = m["activations"] + m["comm_buffers"]
+                    phases = {"pipeline": {"activations": act}, "step": {"total": 0}}
+                    stages.append(StageMeasurement(i, {"ForwardPass": 0.01},
+                                                   {"total": f * sum(m.values()), "phases": phases}))
+                t = f * plan.predicted_step_time
+                return TrialResult([t, t, t], 1, 1.0, stages)
+
+        t = _Tuning(Runner(), settings, global_batch=8, profile=profile)
+        stock = _search_stock(t, t.problem())
+        return runs, stock
+
+    t0 = _Tuning(SimpleNamespace(world_size=2), AutotuneConfig(), global_batch=8, profile=profile)
+    cands = stock_candidates(t0.problem(), cuts)
+    predicted = {c.notes[0]: predict(t0.problem(), c)["memory"] for c in cands}
+    # the fastest configuration 8% over the budget: over the 5% limit, within the 10% probe
+    runs, stock = search(int(peak(cands[0]) / (1 + 0.8 * MEMORY_PROBE)))
+    limit, band = stock.problem.memory_budget * (1 + tol), stock.problem.memory_budget * (1 + MEMORY_PROBE)
+    first = next(m for m in stock.measured if m["plan"]["notes"][0] == runs[0])["run"]["measured_step_time"]
+    want = next(c for c in stock.candidates if c.notes[0] != runs[0] and limit < peak(c) <= band)
+    assert want.predicted_step_time < first and runs == [runs[0], want.notes[0]]
+    assert stock.best["plan"]["notes"][0] == want.notes[0]  # measured within the limit, and faster
+    # a budget with no configuration predicted between its limit and the probe's
+    peaks = sorted({peak(c) for c in cands})
+    gap = next(a for a, b in zip(peaks, peaks[1:]) if b > a * (1 + MEMORY_PROBE) / (1 + tol))
+    runs, stock = search(int(gap / (1 + tol)) + 1)
+    assert len(runs) == 1 and stock.best["plan"]["notes"][0] == runs[0]
 
 
 def test_memory_probe_measures_a_plan_predicted_just_over_the_budget():
