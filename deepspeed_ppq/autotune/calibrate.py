@@ -221,7 +221,8 @@ def calibrate_memory(problem: PlanningProblem, runs: list[tuple[Plan, dict]]) ->
                 excess = pipe.get("activations", 0) - (pred["activations"] + pred["comm_buffers"])
                 extra[b] = max(extra.get(b, 0.0), float(excess))
             step = phases.get("step")
-            params = sum(layer.params for layer in problem.layers[sp.layers[0] : sp.layers[1]])
+            params = sum(layer.engine_params(f, plan.master_free)
+                         for layer, f in zip(problem.layers[sp.layers[0] : sp.layers[1]], sp.formats))
             if step:
                 fixed = sum(pred[k] for k in ("weights", "master_weights", "gradients", "optimizer"))
                 need = max(need, step["total"] - fixed - pred["comm_buffers"] - per_param * params)

@@ -150,13 +150,17 @@ class LayerProfile:
             "optimizer": optimizer_bytes(self.param_numels, optimizer_8bit),
         }
 
+    def engine_params(self, fmt: str, master_free: bool = False) -> int:
+        """Trainable parameters whose gradients are the engine's ``.grad`` tensors (4 B per value), which
+        it reduces and steps: every one but a master-free weight, whose gradient buffer and update are
+        the layer's own (``quant.master_free``)."""
+        return self.params - (self.quantizable_params if master_free and fmt != "none" else 0)
+
     def freed_grad_bytes(self, fmt: str, master_free: bool = False) -> int:
-        """The part of ``static_bytes``' gradients that is parameter ``.grad`` tensors (4 B per value):
-        every parameter's but a master-free weight's, whose buffer stays allocated. An engine that
-        frees gradients after its optimizer step (``PlanningProblem.grads_freed_after_step``) holds
-        these only from a backward to the step."""
-        q = self.quantizable_params if master_free and fmt != "none" else 0
-        return 4 * (self.params - q)
+        """The part of ``static_bytes``' gradients that is ``.grad`` tensors (``engine_params``). An
+        engine that frees gradients after its optimizer step (``PlanningProblem.grads_freed_after_step``)
+        holds these only from a backward to the step; a master-free weight's buffer stays allocated."""
+        return 4 * self.engine_params(fmt, master_free)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -110,10 +110,14 @@ class PlanningProblem:
             missing kind costs as fp32 Adam.
         microbatch_overhead_s: fixed engine seconds per stage and micro-batch (instruction dispatch,
             buffer handling, waiting); the tuning loop calibrates it from the measured trials.
-        step_transient_bytes_per_param: bytes per trainable parameter the engine allocates around the
-            optimizer step (a flattened gradient buffer, the optimizer's temporaries), when the
-            activations are gone and the pipe buffers stay: a stage's peak is its static bytes plus
-            its pipe buffers plus the larger of its activations and this transient.
+        step_transient_bytes_per_param: bytes per parameter the engine reduces and steps
+            (``LayerProfile.engine_params``: not master-free weights, which have their own buffer and
+            update) that it allocates around the optimizer step (a flattened gradient buffer, the
+            optimizer's temporaries), when the activations are gone and the pipe buffers stay: a stage's
+            peak is its static bytes plus its pipe buffers plus the larger of its activations and this
+            transient. Counted over every trainable parameter, it had put the step phase of a one-stage
+            int8 master-free plan of micro-batch 4 x 2 at 98.3 MiB; the pipeline phase peaks there, at
+            86.7 MiB measured (its step phase at one stage of 8 x 1: 68.3 MiB).
         step_fixed_bytes: bytes per stage around the optimizer step that do not scale with its parameters
             (tensors the engine keeps from the last micro-batch); calibrated.
         grads_freed_after_step: the engine frees the parameter gradients after its optimizer step
@@ -294,7 +298,8 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
     grad_buf = layers[-1].output_bytes if c.last < len(prob.layers) else 0
     mem["comm_buffers"] = n_buf * b * (layers[0].input_bytes + layers[-1].output_bytes) + b * grad_buf
     mem["activations"] += int(prob.activation_extra_for(b))
-    params = sum(layer.params for layer in layers)
+    # the engine's step transient scales with the parameters whose .grad it reduces and steps
+    params = sum(layer.engine_params(layer.format_for(c.level), k.master_free) for layer in layers)
     transient = prob.step_transient_bytes_per_param * params + prob.step_fixed_bytes
     mem["temporaries"] = int(max(0.0, transient - mem["activations"]))
     if _grads_made_in_backward(prob, k, n_act):
@@ -406,6 +411,7 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
     shape = (len(options), N, N)
     t_opt, static_opt, act_opt, transient_opt, ws_opt = (np.zeros(shape) for _ in range(5))
     freed_opt, over_opt = np.zeros(shape), np.zeros(shape)  # gradients made in the backward (stage_memory)
+    engine_opt = np.zeros(shape)  # parameters the engine's step transient scales with
     ii, jj = np.meshgrid(np.arange(N), np.arange(N), indexing="ij")
 
     def range_max(x: np.ndarray, empty: float = 0.0) -> np.ndarray:  # out[i, j] = max(x[i:j])
@@ -429,6 +435,7 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
         pre_saved = _prefix(saved)
         pre_rc = _prefix(np.where(rc, in_b * b, saved))  # checkpointed layers keep only their input
         pre_g = _prefix([layer.freed_grad_bytes(f, master_free) for layer, f in zip(layers, fmts)])
+        engine = _seg(_prefix([layer.engine_params(f, master_free) for layer, f in zip(layers, fmts)]))
         per_level[level] = (
             _seg(_prefix(tm[:, 0])),
             _seg(_prefix(np.where(rc, tm[:, 0], 0.0))),
@@ -443,9 +450,11 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
             # (pre[t + 1] - pre_g[t]) - pre[i] + pre_g[j], pre by whether t recomputes
             range_max(pre_rc[1:] - pre_g[:-1], -_BIG),
             range_max(pre_saved[1:] - pre_g[:-1], -_BIG),
+            engine,
         )
     for o, (level, rec, keep) in enumerate(options):
-        fwd, fwd_rc, bwd, stat, pre_saved, pre_rc, trans, ws, pre_g, top_rc, top_saved = per_level[level]
+        (fwd, fwd_rc, bwd, stat, pre_saved, pre_rc, trans, ws, pre_g, top_rc, top_saved,
+         engine) = per_level[level]
         # layers [i, m) recompute, [m, j) keep their activations; the largest backward transient on top
         m = np.maximum(ii, jj - keep) if rec else ii
         t_opt[o] = fwd + fwd_rc[ii, m] + bwd
@@ -457,7 +466,8 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
         # stage_memory's "over": the largest of those backward sums beyond the kept activations
         top = np.maximum(top_rc[ii, m], top_saved[m, jj] + pre_rc[m] - pre_saved[m])
         over_opt[o] = np.where(jj > ii, top - pre_rc[ii] + pre_g[jj] - act_opt[o], 0.0)
-    return options, t_opt, static_opt + ws_opt, act_opt, transient_opt, freed_opt, over_opt
+        engine_opt[o] = engine
+    return options, t_opt, static_opt + ws_opt, act_opt, transient_opt, freed_opt, over_opt, engine_opt
 
 
 def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) -> _Tables:
@@ -471,7 +481,7 @@ def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) 
             cache[key] = tabs
     else:
         tabs = cache[key]
-    options, t_compute, static_opt, act_opt, transient_opt, freed_opt, over_opt = tabs
+    options, t_compute, static_opt, act_opt, transient_opt, freed_opt, over_opt, engine_opt = tabs
     ii, jj = np.meshgrid(np.arange(N), np.arange(N), indexing="ij")
     valid = jj > ii
     # boundary costs: the receive side depends on i, the send side on j
@@ -482,8 +492,7 @@ def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) 
     out_b = np.array([0] + [layer.output_bytes for layer in layers], dtype=float)  # out_b[j]: layer j-1
     buf_per = b * (in_b[ii] + out_b[jj])  # one pipe buffer: stage input + stage output
     grad_buf = b * out_b[jj] * (jj < L)
-    step_transient = (prob.step_transient_bytes_per_param * _seg(_prefix([layer.params for layer in layers]))
-                      + prob.step_fixed_bytes)
+    step_transient = prob.step_transient_bytes_per_param * engine_opt + prob.step_fixed_bytes  # [O, N, N]
     t_tab = np.full((p, N, N), _INF)
     opt_tab = np.full((p, N, N), -1, dtype=np.int64)
     min_mem = np.full((p, N, N), _INF)

@@ -523,6 +523,25 @@ def test_gradients_made_in_backward_are_not_counted_under_the_activations():
     assert sum(layer.freed_grad_bytes("int8", True) for layer in prob.layers) == sum(grads) - q_bytes
 
 
+def test_step_transient_counts_the_parameters_the_engine_steps():
+    """The engine's step transient (DeepSpeed flattens the gradients it reduces) scales with the parameters
+    whose ``.grad`` it reduces and steps: a master-free weight has its own gradient buffer and update, so
+    a master-free int8 stage's step phase holds 4 B per such value less of it."""
+    from deepspeed_ppq.autotune.planner import stage_memory
+
+    prob = _problem(6, 6, world_size=1, global_batch=4, pipeline_degrees=[1], master_free=[False, True],
+                    step_transient_bytes_per_param=4.0)
+    c = StageChoice(0, 6, "int8", False)
+    plain = stage_memory(prob, _knobs(1, 1, 4), c, 0)
+    free = stage_memory(prob, _knobs(1, 1, 4, master_free=True), c, 0)
+    params = sum(layer.params for layer in prob.layers)
+    q = sum(layer.quantizable_params for layer in prob.layers)
+    assert q > 0 and plain["temporaries"] > 0 and free["temporaries"] > 0  # the step phase is the peak
+    assert plain["temporaries"] == int(4 * params - plain["activations"])
+    assert free["temporaries"] == int(4 * (params - q) - free["activations"])
+    assert sum(layer.engine_params("int8", True) for layer in prob.layers) == params - q
+
+
 @pytest.mark.parametrize("seed", range(9))
 def test_segment_tables_equal_stage_memory(seed):
     """The DP's vectorised memory tables give, for every stage position and segment, the smallest of
