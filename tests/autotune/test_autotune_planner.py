@@ -776,57 +776,86 @@ def test_activation_extra_bytes_are_fitted_per_micro_batch_size_and_added_per_st
     assert cal["activation_extra_bytes"] == {2: 0.0}
 
 
-def test_stock_search_measures_the_smallest_configuration_when_none_fits():
-    """When every stock configuration measured breaks the budget, the one the model predicts smallest is
-    measured too, although the model refitted to those trials puts it over: it fits by its own measured
-    peak, and it is the baseline (it had never been run, and stock was said not to train there)."""
+class _StockRunner:
+    """A scripted runner for the stock search over ``_stock_profile``'s model: ``trial(plan)`` gives each
+    trial's ``TrialResult``; ``runs`` lists the configurations run."""
+
+    world_size = 2
+
+    def __init__(self, cuts: dict, trial):
+        self.cuts, self.trial, self.runs = cuts, trial, []
+
+    def log(self, msg):
+        pass
+
+    def stock_partitions(self, p):
+        return self.cuts[p]
+
+    def run_trial(self, plan, settings, seed=0, steps=None, timing_only=False):
+        self.runs.append(plan.notes[0])
+        return self.trial(plan)
+
+
+def _stock_profile(adam8bit_s_per_param: float):
+    """An 8-layer model for the stock search: DeepSpeed's partitions at 1 and 2 stages, its profile, and
+    every stock candidate's predicted memory per stage (before any trial)."""
+    from deepspeed_ppq.autotune.calibrate import predict
     from deepspeed_ppq.autotune.costs import NO_CODEC
-    from deepspeed_ppq.autotune.loop import _search_stock, _Tuning
+    from deepspeed_ppq.autotune.loop import _Tuning
     from deepspeed_ppq.autotune.planner import stock_candidates
-    from deepspeed_ppq.autotune.runner import Profile, StageMeasurement, TrialResult
+    from deepspeed_ppq.autotune.runner import Profile
     from deepspeed_ppq.config import AutotuneConfig
     from deepspeed_ppq.integrations.model_layers import deepspeed_partitions
 
     layers = _problem(7, 8, world_size=2, global_batch=8).layers
     cuts = {p: deepspeed_partitions([layer.params for layer in layers], p) for p in (1, 2)}
     profile = Profile(layers=layers, codecs=[NO_CODEC], link=LinkModel(latency_s=1e-4, bandwidth_Bps=1e8),
-                      optimizer_costs={"adam": 1e-9, "adam8bit": 2e-9})
+                      optimizer_costs={"adam": 1e-9, "adam8bit": adam8bit_s_per_param})
+    prob = _Tuning(SimpleNamespace(world_size=2), AutotuneConfig(), global_batch=8, profile=profile).problem()
+    cands = stock_candidates(prob, cuts)
+    return cuts, profile, cands, {c.notes[0]: predict(prob, c)["memory"] for c in cands}
+
+
+def _measured(pred: list[dict], f: float, step_total: float | None = None) -> list:
+    """Stage measurements of a trial: ``f`` x the predicted peak; the pipeline phase's activations as
+    predicted; the step phase's total ``step_total`` (default: the peak)."""
+    from deepspeed_ppq.autotune.runner import StageMeasurement
+
+    out = []
+    for i, m in enumerate(pred):
+        total = f * sum(m.values())
+        phases = {"pipeline": {"activations": m["activations"] + m["comm_buffers"]},
+                  "step": {"total": total if step_total is None else step_total}}
+        out.append(StageMeasurement(i, {"ForwardPass": 0.01}, {"total": total, "phases": phases}))
+    return out
+
+
+def test_stock_search_measures_the_smallest_configuration_when_none_fits():
+    """When every stock configuration measured breaks the budget, the one the model predicts smallest is
+    measured too, although the model refitted to those trials puts it over: it fits by its own measured
+    peak, and it is the baseline (it had never been run, and stock was said not to train there)."""
+    from deepspeed_ppq.autotune.loop import _search_stock, _Tuning
+    from deepspeed_ppq.autotune.runner import TrialResult
+    from deepspeed_ppq.config import AutotuneConfig
+
+    cuts, profile, cands, predicted = _stock_profile(2e-9)
     settings = AutotuneConfig(ab_repeats=0, stock_trials=2)
-    runs = []
 
-    class Runner:
-        world_size = 2
+    def trial(plan):
+        # the first (the fastest) measures twice its prediction, around the optimizer step too; the
+        # others as predicted
+        f = 2 if len(runner.runs) == 1 else 1
+        return TrialResult([0.1, 0.1, 0.1], 1, 1.0, _measured(predicted[plan.notes[0]], f))
 
-        def log(self, msg):
-            pass
-
-        def stock_partitions(self, p):
-            return cuts[p]
-
-        def run_trial(self, plan, settings, seed=0, steps=None, timing_only=False):
-            runs.append(plan.notes[0])
-            # the first (the fastest) measures twice its prediction, around the optimizer step too; the
-            # others as predicted
-            f = 2 if not runs[:-1] else 1
-            stages = []
-            for i, pred in enumerate(predicted[plan.notes[0]]):
-                total = f * sum(pred.values())
-                stages.append(StageMeasurement(i, {"ForwardPass": 0.01}, {"total": total, "phases": {
-                    "pipeline": {"activations": pred["activations"] + pred["comm_buffers"]},
-                    "step": {"total": total}}}))
-            return TrialResult([0.1, 0.1, 0.1], 1, 1.0, stages)
-
-    t = _Tuning(Runner(), settings, global_batch=8, profile=profile)
-    from deepspeed_ppq.autotune.calibrate import predict
-
-    cands = stock_candidates(t.problem(), cuts)
-    predicted = {c.notes[0]: predict(t.problem(), c)["memory"] for c in cands}
+    runner = _StockRunner(cuts, trial)
+    t = _Tuning(runner, settings, global_batch=8, profile=profile)
     # the fastest may fit by the prediction: it is measured first, comes out over, and the model refitted
     # to it puts every configuration over
     fastest = min(cands, key=lambda c: c.predicted_step_time)
     settings.memory_budget = int(max(sp.peak_memory for sp in fastest.stages) / 1.05)
     stock = _search_stock(t, t.problem())
     smallest = min(stock.candidates, key=lambda c: max(sp.peak_memory for sp in c.stages))  # refitted
+    runs = runner.runs
     assert len(runs) == 2 and runs[0] != runs[1] == smallest.notes[0]
     assert any(x.startswith("stock search: 1 configurations measured; stopped: every stock candidate")
                for x in t.log)
@@ -838,18 +867,12 @@ def test_stock_search_probes_a_faster_configuration_predicted_just_over_the_budg
     the model puts over the budget's limit but within ``MEMORY_PROBE`` of the budget is measured when it
     is predicted faster than the best measured; measured within the limit and faster, it is the baseline.
     With no configuration predicted in that band, nothing more is measured."""
-    from deepspeed_ppq.autotune.calibrate import predict
-    from deepspeed_ppq.autotune.costs import NO_CODEC
     from deepspeed_ppq.autotune.loop import MEMORY_PROBE, _search_stock, _Tuning
-    from deepspeed_ppq.autotune.planner import stock_candidates
-    from deepspeed_ppq.autotune.runner import Profile, StageMeasurement, TrialResult
+    from deepspeed_ppq.autotune.runner import TrialResult
     from deepspeed_ppq.config import AutotuneConfig
-    from deepspeed_ppq.integrations.model_layers import deepspeed_partitions
 
-    layers = _problem(7, 8, world_size=2, global_batch=8).layers
-    cuts = {p: deepspeed_partitions([layer.params for layer in layers], p) for p in (1, 2)}
-    profile = Profile(layers=layers, codecs=[NO_CODEC], link=LinkModel(latency_s=1e-4, bandwidth_Bps=1e8),
-                      optimizer_costs={"adam": 1e-9, "adam8bit": 2e-7})
+    # 8-bit Adam clearly slower here: the one-stage fp32 configurations are the fastest, and the largest
+    cuts, profile, cands, predicted = _stock_profile(2e-7)
     tol = AutotuneConfig().memory_tolerance
 
     def peak(c) -> float:
@@ -857,39 +880,19 @@ def test_stock_search_probes_a_faster_configuration_predicted_just_over_the_budg
 
     def search(budget: int):
         """Configurations the model puts over the limit measure 10% under their prediction and 10% faster;
-        the others as predicted. The phases measured as predicted leave the memory model as it is."""
+        the others as predicted. The phases measured as predicted (the step's below them) leave the
+        memory model as it is."""
+        def trial(plan):
+            pred = predicted[plan.notes[0]]
+            f = 0.9 if max(sum(m.values()) for m in pred) > budget * (1 + tol) else 1.0
+            t = f * plan.predicted_step_time
+            return TrialResult([t, t, t], 1, 1.0, _measured(pred, f, step_total=0))
+
+        runner = _StockRunner(cuts, trial)
         settings = AutotuneConfig(ab_repeats=0, stock_trials=1, stock_margin=0.0, memory_budget=budget)
-        runs = []
+        t = _Tuning(runner, settings, global_batch=8, profile=profile)
+        return runner.runs, _search_stock(t, t.problem())
 
-        class Runner:
-            world_size = 2
-
-            def log(self, msg):
-                pass
-
-            def stock_partitions(self, p):
-                return cuts[p]
-
-            def run_trial(self, plan, settings, seed=0, steps=None, timing_only=False):
-                runs.append(plan.notes[0])
-                pred = predicted[plan.notes[0]]
-                f = 0.9 if max(sum(m.values()) for m in pred) > budget * (1 + tol) else 1.0
-                stages = []
-                for i, m in enumerate(pred):
-                    act = m["activations"] + m["comm_buffers"]
-                    phases = {"pipeline": {"activations": act}, "step": {"total": 0}}
-                    stages.append(StageMeasurement(i, {"ForwardPass": 0.01},
-                                                   {"total": f * sum(m.values()), "phases": phases}))
-                t = f * plan.predicted_step_time
-                return TrialResult([t, t, t], 1, 1.0, stages)
-
-        t = _Tuning(Runner(), settings, global_batch=8, profile=profile)
-        stock = _search_stock(t, t.problem())
-        return runs, stock
-
-    t0 = _Tuning(SimpleNamespace(world_size=2), AutotuneConfig(), global_batch=8, profile=profile)
-    cands = stock_candidates(t0.problem(), cuts)
-    predicted = {c.notes[0]: predict(t0.problem(), c)["memory"] for c in cands}
     # the fastest configuration 8% over the budget: over the 5% limit, within the 10% probe
     runs, stock = search(int(peak(cands[0]) / (1 + 0.8 * MEMORY_PROBE)))
     limit, band = stock.problem.memory_budget * (1 + tol), stock.problem.memory_budget * (1 + MEMORY_PROBE)
