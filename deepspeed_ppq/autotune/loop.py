@@ -396,10 +396,10 @@ def _search_stock(t: _Tuning, problem: PlanningProblem) -> _StockSearch:
 
 def _stock_probe(settings, cands: list[Plan], tried: set[str], fit_times: list[float]) -> Plan | None:
     """The stock configuration the search measures beyond what the model says fits, as the tuned plans
-    get ``_memory_probe``: the fastest predicted one not yet measured, when its predicted peak is within
-    ``MEMORY_PROBE`` of the budget and it is predicted faster than the best measured. A skilled user
-    tries the faster setting that may just fit; the model's prediction misses a measured peak by several
-    percent either way."""
+    get ``_memory_probe``: the fastest predicted one not yet measured that the model puts over the limit
+    (``may_fit``) but within ``MEMORY_PROBE`` of the budget, when it is predicted faster than the best
+    measured. A skilled user tries the faster setting that may just fit; the model's prediction misses a
+    measured peak by several percent either way."""
     if settings.memory_budget is None or not fit_times:
         return None
     wider = settings.memory_budget * (1 + MEMORY_PROBE)
