@@ -132,17 +132,27 @@ def sweep_budgets(free: dict, n: int = 6) -> list[float]:
 
 
 def floor_budget(r: dict) -> float | None:
-    """The budget (MiB, rounded up to 0.1) where only the smallest stock configuration that a tune measured
-    fits: its measured peak over 1 + ``memory_tolerance`` (the limit trials are held to). None when the tune
-    measured none, or its baseline already is that configuration."""
-    measured = r.get("stock", {}).get("measured") if "error" not in r else None
-    if not measured:
+    """The budget (MiB, rounded up to 0.1) where only the smallest stock configuration fits, from the tune
+    at the lowest budget: the smallest configuration it measured, at its measured peak over 1 +
+    ``memory_tolerance`` (the limit trials are held to), or, when the configuration its calibrated model
+    puts smallest was never measured, that one's predicted peak (the tolerance is then the slack its
+    measurement gets); the lower of the two. None when the tune's baseline already is the smallest."""
+    if "error" in r:
         return None
-    smallest = min(measured, key=lambda m: m["run"]["peak_memory"])
-    if smallest["plan"]["notes"] == r["baseline"]["plan"]["notes"]:
-        return None
+    stock, base = r.get("stock", {}), r["baseline"]["plan"]["notes"]
     tol = r["settings"]["memory_tolerance"]
-    return math.ceil(smallest["run"]["peak_memory"] / (1 + tol) / 2**20 * 10) / 10
+    measured = stock.get("measured") or []
+    floors = []
+    if measured:
+        smallest = min(measured, key=lambda m: m["run"]["peak_memory"])
+        if smallest["plan"]["notes"] != base:
+            floors.append(smallest["run"]["peak_memory"] / (1 + tol))
+    cands = stock.get("candidates") or []
+    if cands:
+        least = min(cands, key=lambda c: c["predicted_peak"])
+        if least["notes"] != base and all(m["plan"]["notes"] != least["notes"] for m in measured):
+            floors.append(least["predicted_peak"])
+    return math.ceil(min(floors) / 2**20 * 10) / 10 if floors else None
 
 
 def ladder_rows(r: dict) -> list[dict]:
@@ -333,8 +343,8 @@ def main() -> int:
                 rows.append(sweep_row(b, r, unconstrained))
                 print(json.dumps(rows[-1]), flush=True)
                 # the sweep goes down to where only the smallest stock configuration fits (micro-batch 1
-                # with recomputation, say): the lowest budget's tune measured it, and where its baseline
-                # is still a larger one, one more budget at that configuration's measured peak
+                # with recomputation, say): where the lowest budget's baseline is still a larger one, one
+                # more budget at the smallest's peak (floor_budget: measured, or as predicted)
                 floor = floor_budget(r) if auto and b == min(budgets) else None
                 if floor is not None and floor < b:
                     budgets.append(floor)
