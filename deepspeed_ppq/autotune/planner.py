@@ -462,7 +462,7 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
         act_opt[o] = pre_rc[m] - pre_rc[ii] + pre_saved[jj] - pre_saved[m]
         transient_opt[o] = np.maximum(trans[True][ii, m], trans[False][m, jj])
         ws_opt[o] = ws
-        freed_opt[o] = pre_g[jj] - pre_g[ii]
+        freed_opt[o] = _seg(pre_g)
         # stage_memory's "over": the largest of those backward sums beyond the kept activations
         top = np.maximum(top_rc[ii, m], top_saved[m, jj] + pre_rc[m] - pre_saved[m])
         over_opt[o] = np.where(jj > ii, top - pre_rc[ii] + pre_g[jj] - act_opt[o], 0.0)
