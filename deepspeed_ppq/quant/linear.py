@@ -91,7 +91,8 @@ class DequantLinearFunction(torch.autograd.Function):
     layer a 0-element leaf that requires grad (it puts the Function in the graph even when x does
     not require grad), bias [out] or None.
     Returns grads for x, the master (``grad_y^T x``, straight-through; master-free: added into
-    ``layer.weight_grad`` instead, None returned) and the bias.
+    ``layer.weight_grad``, or handed to ``layer.update_in_backward``, instead, None returned) and the
+    bias.
     """
 
     @staticmethod
@@ -120,7 +121,9 @@ class DequantLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             g2 = grad_y.reshape(-1, grad_y.shape[-1])  # [N, out]
             x2 = x.reshape(-1, x.shape[-1])  # [N, in]
-            if layer.master_free:
+            if layer.master_free and layer.update_in_backward is not None:
+                layer.update_in_backward(layer, g2, x2)  # the gradient goes straight into the update
+            elif layer.master_free:
                 if layer.weight_grad is None and layer.grad_bucket is not None:
                     layer.grad_bucket.allocate()  # every layer of the bucket: views of one flat buffer
                 if layer.weight_grad is None:
@@ -207,6 +210,9 @@ class QuantLinear(nn.Module):
         self.sr_seed = int(sr_seed)
         self.weight_grad: torch.Tensor | None = None  # master-free: accumulated weight gradient
         self.grad_bucket = None  # master-free: the flat buffer its gradient is a view of (attach_master_free)
+        # master-free: called by backward with (layer, grad_y [N, out], x [N, in]) to update the weight
+        # there instead of accumulating its gradient (attach_master_free's update_in_backward)
+        self.update_in_backward = None
         self.grad_dtype = torch.bfloat16 if cfg.grad_dtype == "bf16" else torch.float32
         self.optim_state: dict[str, torch.Tensor] = {}  # master-free: AdamW moments (fp32 or 8-bit)
         self.optim_step = 0

@@ -28,6 +28,15 @@ How it plugs into a training loop, plain or DeepSpeed (DeepSpeed steps only ``nn
   the attached layers are views of one flat buffer per dtype (``GradBucket``, allocated at the first
   backward), reduced by one all-reduce as DeepSpeed buckets its own: one call per layer had cost a
   data-parallel step ~6% in gloo's per-call latency and polling.
+* Update in backward (``attach_master_free(update_in_backward=...)``): where a step has one
+  micro-batch, no clipping and no loss scaling that may skip it, nothing needs a layer's gradient after
+  its own backward: the layer's autograd Function computes it (in the shared workspaces), averages it
+  over the data-parallel group and updates the codes there, and no gradient buffer exists (2 B per
+  weight value with a bf16 buffer: with 8-bit states that is 5 B per value down to 3). The result is
+  the accumulating path's bit for bit (the same products, sums and update). A DeepSpeed engine gets it
+  where its config allows (``updates_in_backward``). What it costs: one all-reduce per layer instead of
+  one per step, and a layer that gets no gradient in a step is not stepped (the accumulating path
+  steps it with a zero gradient once its buffer exists).
 * Clipping: DeepSpeed's clip norm does not see these buffers, and the main step has already run when
   the hook fires, so one global norm over both is not possible without patching DeepSpeed. The
   buffers are clipped SEPARATELY to ``max_grad_norm`` (from the engine's ``gradient_clipping`` by
@@ -58,7 +67,7 @@ from torch import nn
 from deepspeed_ppq.ops import define_op, registered_ops
 from deepspeed_ppq.quant import ops as _wops
 from deepspeed_ppq.quant.adam8bit import BNB_BLOCK_SIZE, _sqrt, _step_ref, adam8bit_step
-from deepspeed_ppq.quant.linear import QuantLinear
+from deepspeed_ppq.quant.linear import QuantLinear, _workspace
 from deepspeed_ppq.quant.optim import MIN_8BIT_SIZE, after_each_step, underlying_optimizer
 from deepspeed_ppq.quant.sr_ops import _quantize_sr_out_ref, weight_quantize_sr_out
 
@@ -70,6 +79,7 @@ __all__ = [
     "master_free_grad_norm",
     "shared_code_maps",
     "GradBucket",
+    "updates_in_backward",
 ]
 
 _QMAPS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -288,8 +298,47 @@ def master_free_grad_norm(layers, dp_world_size: int = 1) -> float:
     return float(sq.sqrt())
 
 
+def updates_in_backward(gradient_accumulation_steps: int, max_grad_norm: float, loss_scaling: bool) -> bool:
+    """Whether master-free weights can be updated in the backward (see the module docstring): one
+    micro-batch per step, no clipping (its norm needs every gradient first) and no loss scaling (a
+    scaler may skip a step after the backward has run)."""
+    return gradient_accumulation_steps == 1 and not max_grad_norm and not loss_scaling
+
+
+def _step_with(opt, layers, grad_scale: float) -> None:
+    """``master_free_step`` with the hyper-parameters of ``opt``'s first param group now."""
+    g0 = opt.param_groups[0]
+    master_free_step(layers, float(g0["lr"]), tuple(g0.get("betas", (0.9, 0.999))),
+                     float(g0.get("eps", 1e-8)), float(g0.get("weight_decay", 0.0)), grad_scale)
+
+
+def _gradient(layer, g2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """One micro-batch's weight gradient ``g2^T x2`` in the layer's buffer dtype, as the accumulating
+    path makes it from a zeroed buffer (``quant.linear``), in the shared workspaces."""
+    shape, device = layer.qweight.shape, layer.qweight.qdata.device
+    if g2.dtype == layer.grad_dtype:
+        return torch.mm(g2.t(), x2, out=_workspace(shape, g2.dtype, device))
+    if layer.grad_dtype == torch.float32:  # a bf16 product, widened
+        return g2.t().mm(x2).float()
+    prod = torch.mm(g2.t(), x2, out=_workspace(shape, g2.dtype, device))
+    return _workspace(shape, layer.grad_dtype, device).copy_(prod)  # rounded once into the buffer dtype
+
+
+class _Handle:
+    """Detaches the step hook and the layers' update in backward."""
+
+    def __init__(self, hook, layers):
+        self.hook, self.layers = hook, layers
+
+    def remove(self) -> None:
+        self.hook.remove()
+        for m in self.layers:
+            m.update_in_backward = None
+
+
 def attach_master_free(optimizer, model: nn.Module, *, max_grad_norm: float | None = None, dp_group=None,
-                       dp_world_size: int | None = None, allow_empty: bool = False):
+                       dp_world_size: int | None = None, allow_empty: bool = False,
+                       update_in_backward: bool | None = None):
     """Update ``model``'s master-free layers at the end of every ``optimizer.step()``.
 
     Args:
@@ -303,13 +352,17 @@ def attach_master_free(optimizer, model: nn.Module, *, max_grad_norm: float | No
         allow_empty: attach even where ``model`` has no master-free layer. The clip norm is a
             collective over every rank, so in a pipeline whose stages differ (a stage of high-precision
             layers only) every rank must attach: ``deepspeed_ppq.initialize`` does this.
+        update_in_backward: update each layer in its backward, with no gradient buffer (see the module
+            docstring); the caller runs one backward per step. None: for an engine, where its config
+            allows it (``updates_in_backward``: one micro-batch per step, no clipping, no fp16 loss
+            scaling); else off.
 
     Returns:
-        A handle; ``handle.remove()`` detaches the hook.
+        A handle; ``handle.remove()`` detaches the hook and the layers' update in backward.
 
     Raises:
-        ValueError: ``model`` has no master-free layer, or the optimizer has no param group to read
-            the learning rate from.
+        ValueError: ``model`` has no master-free layer, the optimizer has no param group to read
+            the learning rate from, or ``update_in_backward`` with clipping.
     """
     layers = master_free_layers(model)
     if not layers and not allow_empty:
@@ -326,26 +379,47 @@ def attach_master_free(optimizer, model: nn.Module, *, max_grad_norm: float | No
         if dp_world_size is None:
             dp_world_size = int(getattr(engine, "dp_world_size", 1))
     dp_world_size = dp_world_size or (dist.get_world_size(dp_group) if dp_group is not None else 1)
+    reduce = dp_group is not None and dp_world_size > 1
+    if update_in_backward is None:
+        update_in_backward = engine is not None and updates_in_backward(
+            int(engine.gradient_accumulation_steps()), max_grad_norm or 0.0, bool(engine.fp16_enabled()))
+    if update_in_backward and max_grad_norm:
+        raise ValueError(f"attach_master_free: update_in_backward=True with max_grad_norm={max_grad_norm}: "
+                         "the clip norm needs every gradient before any update; use one or the other")
 
     bucket = GradBucket(layers)
 
-    def _update(*_args):
+    def _update(*_args):  # with update_in_backward the layers have no buffer: nothing left to do
         with torch.no_grad():
-            if dp_group is not None and dp_world_size > 1:
+            if reduce:
                 bucket.all_reduce_mean(dp_group, dp_world_size)
             scale = 1.0
             if max_grad_norm:
                 norm = master_free_grad_norm(layers, dp_world_size)
                 scale = min(1.0, max_grad_norm / (norm + 1e-6))
-            g0 = opt.param_groups[0]
-            master_free_step(layers, float(g0["lr"]), tuple(g0.get("betas", (0.9, 0.999))),
-                             float(g0.get("eps", 1e-8)), float(g0.get("weight_decay", 0.0)), scale)
+            _step_with(opt, layers, scale)
             zero_master_free_grads(layers)
+
+    def _update_layer(layer, g2, x2):
+        with torch.no_grad():
+            g = _gradient(layer, g2, x2)
+            if reduce:
+                dist.all_reduce(g, group=dp_group)
+                g.div_(dp_world_size)
+            layer.weight_grad = g
+            try:
+                _step_with(opt, [layer], 1.0)
+            finally:
+                layer.weight_grad = None
+
+    for m in layers:
+        m.update_in_backward = _update_layer if update_in_backward else None
 
     owned = {id(p) for g in opt.param_groups for p in g["params"]}
     model_params = [p for p in model.parameters() if p.requires_grad]
-    return after_each_step(
+    hook = after_each_step(
         optimizer, _update, updates_model=not model_params or any(id(p) in owned for p in model_params),
         error=f"attach_master_free: {type(opt).__name__} updates none of the model's parameters; pass the "
         "optimizer (or DeepSpeed engine) that trains this model",
     )
+    return _Handle(hook, layers)

@@ -14,6 +14,8 @@ a plain torch Adam with ``requantize_after_step``:
   ``plan_module`` building a plan's partially recomputed stage;
 * ``master_free``: int8 master-free weights on stage 1 only; ``initialize`` attaches the master-free
   update on both ranks (the clip norm is a collective), losses equal the one-process model's;
+* ``in_backward``: the same at one micro-batch per step with no clipping: the engine updates the
+  master-free weights in their backward (no gradient buffer), losses equal the buffered one-process run;
 * ``stale``: an optimizer built before ``ppq.weights`` replaced the layers is an error.
 """
 
@@ -50,13 +52,13 @@ DS = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": GAS, 
       "gradient_clipping": 0.0}  # DeepSpeed clips to 1.0 by default; the reference does not
 
 
-def batches():
+def batches(mb: int = MB, gas: int = GAS):
     g = torch.Generator().manual_seed(3)
-    return [[torch.randint(0, CFG.vocab_size, (MB, CFG.seq_len), generator=g) for _ in range(GAS)]
+    return [[torch.randint(0, CFG.vocab_size, (mb, CFG.seq_len), generator=g) for _ in range(gas)]
             for _ in range(STEPS)]
 
 
-def reference(wcfg: WeightsConfig, clip: float | None = None) -> list[float]:
+def reference(wcfg: WeightsConfig, clip: float | None = None, mb: int = MB, gas: int = GAS) -> list[float]:
     model = convert_model(GPT(CFG), wcfg, block_layers=BLOCKS, num_blocks=len(BLOCKS))
     opt = build_optimizer(model.parameters(), "adam", lr=LR)
     if wcfg.master == "none":
@@ -64,20 +66,20 @@ def reference(wcfg: WeightsConfig, clip: float | None = None) -> list[float]:
     else:
         requantize_after_step(opt, model)
     losses = []
-    for mbs in batches():
+    for mbs in batches(mb, gas):
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for b in mbs:
             loss = gpt_loss(model(b), b)
-            (loss / GAS).backward()
+            (loss / gas).backward()
             total += loss.item()
         opt.step()
-        losses.append(total / GAS)
+        losses.append(total / gas)
     return losses
 
 
-def train(engine, module) -> dict:
-    losses = [float(engine.train_batch(iter([(b, b) for b in mbs]))) for mbs in batches()]
+def train(engine, module, mb: int = MB, gas: int = GAS) -> dict:
+    losses = [float(engine.train_batch(iter([(b, b) for b in mbs]))) for mbs in batches(mb, gas)]
     recomputed = [f for f in module.forward_funcs if isinstance(f, RecomputedLayer)]
     return {
         "losses": losses,
@@ -89,6 +91,8 @@ def train(engine, module) -> dict:
         "master_free_wired": hasattr(engine, "ppq_master_free_handle"),
         "master_free": sorted(n for n, m in module.named_modules()
                               if isinstance(m, QuantLinear) and m.master_free),
+        "in_backward": sorted(n for n, m in module.named_modules()
+                              if isinstance(m, QuantLinear) and m.update_in_backward is not None),
     }
 
 
@@ -167,6 +171,14 @@ def main() -> None:
                                           optimizer=lambda params: torch.optim.Adam(params, lr=LR))
     out["master_free"] = train(engine, module)
     out["master_free"]["reference"] = reference(mf, clip=1e6)
+    # one micro-batch of 4 per step and no clipping: the engine updates the master-free weights in their
+    # backward, with no gradient buffer; the reference accumulates into its buffer as before
+    module = PPQPipelineModule(gpt_layers(CFG), 2, boundaries=[0, 3, 6], loss_fn=gpt_loss, weights=mf)
+    one = {**DS, "train_micro_batch_size_per_gpu": 2 * MB, "gradient_accumulation_steps": 1}
+    engine, *_ = deepspeed_ppq.initialize(model=module, config=one,
+                                          optimizer=lambda params: torch.optim.Adam(params, lr=LR))
+    out["in_backward"] = train(engine, module, 2 * MB, 1)
+    out["in_backward"]["reference"] = reference(mf, mb=2 * MB, gas=1)
 
     stale = PipelineModule(gpt_layers(CFG), num_stages=2, loss_fn=gpt_loss, partition_method="uniform")
     early = torch.optim.Adam(stale.parameters(), lr=LR)

@@ -64,6 +64,10 @@ def test_stage_weights_and_recompute_match_one_process(tmp_path):
     torch.testing.assert_close(torch.tensor(m1["losses"]), torch.tensor(m0["reference"]),
                                rtol=1e-4, atol=1e-5)
     assert m1["losses"][-1] < m1["losses"][0]
+    assert m1["in_backward"] == [] and r1["in_backward"]["in_backward"] == m1["master_free"]
+    assert r1["in_backward"]["master_free"] == m1["master_free"]
+    torch.testing.assert_close(torch.tensor(r1["in_backward"]["losses"]),
+                               torch.tensor(r0["in_backward"]["reference"]), rtol=1e-4, atol=1e-5)
 
     for r in (r0, r1):
         assert r["stale"].startswith("PPQConfigError"), r["stale"]

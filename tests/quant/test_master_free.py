@@ -27,6 +27,7 @@ from deepspeed_ppq.quant.master_free import (
     master_free_layers,
     master_free_step,
     shared_code_maps,
+    updates_in_backward,
 )
 from deepspeed_ppq.quant.sr_ops import (
     SR_FORMATS,
@@ -477,6 +478,53 @@ def test_checkpoint_resumes_bit_for_bit():
         assert torch.equal(la.qweight.qdata, lb.qweight.qdata) and la.optim_step == lb.optim_step == 5
 
 
+@pytest.mark.parametrize("grad_dtype,state_8bit", [("fp32", False), ("bf16", True)])
+def test_update_in_backward_equals_the_accumulating_path_bit_for_bit(grad_dtype, state_8bit):
+    """One backward per step: the layers updated in their backward, with no gradient buffer, end where
+    the buffered path's step hook takes them: codes, scales and states equal after 4 steps, and the
+    losses on the way."""
+    torch.manual_seed(0)
+    batches = [torch.randint(0, 64, (4, 16)) for _ in range(4)]
+
+    def run(in_backward):
+        torch.manual_seed(1)
+        model = convert_model(GPT(CFG), _mf_cfg(grad_dtype=grad_dtype, optimizer_8bit=state_8bit),
+                              block_layers=BLOCKS)
+        opt = build_optimizer(model.parameters(), "adamw", lr=1e-2, weight_decay=0.1)
+        handle = attach_master_free(opt, model, update_in_backward=in_backward)
+        losses = []
+        for b in batches:
+            opt.zero_grad()
+            loss = gpt_loss(model(b), b)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return model, losses, handle
+
+    a, loss_a, _ = run(False)
+    b, loss_b, handle = run(True)
+    assert loss_a == loss_b
+    for la, lb in zip(master_free_layers(a), master_free_layers(b), strict=True):
+        assert la.weight_grad is not None and lb.weight_grad is None  # no buffer on the in-backward side
+        assert lb.optim_step == la.optim_step == 4
+        assert torch.equal(la.qweight.qdata, lb.qweight.qdata)
+        assert torch.equal(la.qweight.scale, lb.qweight.scale)
+        for k, v in la.optim_state.items():
+            assert torch.equal(v, lb.optim_state[k]), k
+    handle.remove()
+    assert all(m.update_in_backward is None for m in master_free_layers(b))
+
+
+def test_update_in_backward_needs_no_clipping():
+    layer, _ = _mf_layer()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    with pytest.raises(ValueError, match="update_in_backward=True with max_grad_norm=1.0"):
+        attach_master_free(opt, layer, max_grad_norm=1.0, update_in_backward=True)
+    assert updates_in_backward(1, 0.0, False)
+    assert not updates_in_backward(2, 0.0, False)  # a second micro-batch needs the first one's gradient
+    assert not updates_in_backward(1, 1.0, False) and not updates_in_backward(1, 0.0, True)
+
+
 def test_clipping_scales_the_master_free_gradients():
     layer, _ = _mf_layer()
     twin, _ = _mf_layer()
@@ -624,7 +672,9 @@ def _dp_rank() -> None:
     torch.manual_seed(0)
     batches = [torch.randint(0, 64, (4, 16)) for _ in range(3)]
     out = {"rank": rank}
-    for grad_dtype in ("fp32", "bf16"):  # bf16: the buffers are all-reduced in bf16
+    # one micro-batch per step, no clipping: the engine updates in the backward (bf16: each layer's
+    # gradient is all-reduced in bf16); "fp32_buffered": the same with the gradient buffers
+    for grad_dtype, in_backward in (("fp32", None), ("bf16", None), ("fp32", False)):
         wcfg = WeightsConfig(format="int8", master="none", keep_first_blocks=0, keep_last_blocks=1,
                              grad_dtype=grad_dtype)
         torch.manual_seed(0)
@@ -633,17 +683,19 @@ def _dp_rank() -> None:
         dcfg = {"steps_per_print": 10**6, "gradient_clipping": 0.0, "train_batch_size": 4,
                 "train_micro_batch_size_per_gpu": 2}
         dengine, *_ = deepspeed.initialize(model=model, optimizer=dopt, config=dcfg)
-        attach_master_free(dengine, dengine.module)
+        attach_master_free(dengine, dengine.module, update_in_backward=in_backward)
         for b in batches:
             mine = b.chunk(2)[rank]
             loss = gpt_loss(dengine(mine), mine)
             dengine.backward(loss)
             dengine.step()
         layers = master_free_layers(dengine.module)
-        out[grad_dtype] = {"codes": [m.qweight.qdata.tolist() for m in layers],
-                           "world": dengine.dp_world_size,
-                           "grad_dtypes": sorted({str(m.weight_grad.dtype) for m in layers})}
-        if rank == 0:
+        key = grad_dtype if in_backward is None else f"{grad_dtype}_buffered"
+        out[key] = {"codes": [m.qweight.qdata.tolist() for m in layers], "world": dengine.dp_world_size,
+                    "in_backward": all(m.update_in_backward is not None for m in layers),
+                    "grad_dtypes": sorted({str(m.weight_grad.dtype) for m in layers
+                                           if m.weight_grad is not None})}
+        if rank == 0 and in_backward is None:
             torch.manual_seed(0)
             ref = convert_model(GPT(CFG), wcfg, block_layers=BLOCKS)
             ropt = build_optimizer(ref.parameters(), "adam", lr=1e-2)
@@ -678,12 +730,15 @@ def test_deepspeed_data_parallel_matches_one_process():
     from dist_utils import run_ranks
 
     r0, r1 = run_ranks(__file__, 2, ["--dp-rank"], timeout=300)
-    # fp32 and bf16 gradient buffers: both replicas hold the same codes (bf16 buffers are all-reduced
-    # in bf16)
-    for grad_dtype, dtype in (("fp32", "torch.float32"), ("bf16", "torch.bfloat16")):
-        a, b = r0[grad_dtype], r1[grad_dtype]
-        assert a["world"] == 2 and a["grad_dtypes"] == b["grad_dtypes"] == [dtype]
+    # updated in the backward (fp32 and bf16 gradients: no buffers) and buffered (fp32): both replicas
+    # hold the same codes; the two ways the same codes bit for bit
+    for key, in_backward, buffers in (("fp32", True, []), ("bf16", True, []),
+                                      ("fp32_buffered", False, ["torch.float32"])):
+        a, b = r0[key], r1[key]
+        assert a["world"] == 2 and a["grad_dtypes"] == b["grad_dtypes"] == buffers
+        assert a["in_backward"] == b["in_backward"] == in_backward
         assert a["codes"] == b["codes"]
+    assert r0["fp32"]["codes"] == r0["fp32_buffered"]["codes"]
     # fp32: equal to one process on the whole batch up to a rare code on the other SR neighbour (averaged
     # half-batch gradients equal the whole-batch gradient up to float order)
     dp, ref = (torch.tensor(sum(r0["fp32"][k], [])) for k in ("codes", "reference_codes"))
