@@ -135,6 +135,7 @@ def build_problem(settings, world_size: int, global_batch: int, profile: Profile
         optimizer_cost_ratio={k: v / adam for k, v in opt.items() if k != "adam" and adam > 0},
         step_transient_bytes_per_param=profile.step_transient_bytes_per_param,
         grads_freed_after_step=profile.grads_freed_after_step,
+        master_free_update_in_backward=profile.master_free_update_in_backward,
     )
 
 

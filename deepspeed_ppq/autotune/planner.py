@@ -129,6 +129,10 @@ class PlanningProblem:
             trials measured 110.8 MiB in the pipeline phase of one stage of micro-batch 8 x 1 (gradients
             0.5 MiB there), which all of both had put at 146.1 (its step phase, 134.3 MiB, was the peak).
             Master-free weights keep their gradient buffers (``LayerProfile.freed_grad_bytes``).
+        master_free_update_in_backward: the engine updates master-free weights in their backward where a
+            step has one micro-batch (``quant.master_free.updates_in_backward``: no clipping, no fp16
+            loss scaling): such plans hold no master-free gradient buffer, only one layer's gradient in
+            a shared workspace (``master_free_gradient_bytes``).
         activation_extra_bytes: per micro-batch size measured, the bytes a stage holds in the pipeline
             phase beyond its profiled activations and pipe buffers (the engine keeps copies of received
             activations, outputs until they are sent, ...): the largest over the stages measured, added
@@ -158,6 +162,7 @@ class PlanningProblem:
     step_fixed_bytes: float = 0.0
     activation_extra_bytes: dict[int, float] = field(default_factory=dict)
     grads_freed_after_step: bool = False
+    master_free_update_in_backward: bool = False
 
     def activation_extra_for(self, micro_batch_size: int) -> float:
         """The bytes a stage holds beyond the profile at a micro-batch size: those measured there, else
@@ -184,6 +189,16 @@ class PlanningProblem:
             raise ValueError(f"master_free_grad_dtype={self.master_free_grad_dtype!r}: use one of "
                              f"{sorted(GRAD_DTYPE_BYTES)}")
         return GRAD_DTYPE_BYTES[self.master_free_grad_dtype]
+
+    def master_free_gradient_bytes(self, num_microbatches: int) -> tuple[int, float]:
+        """(bytes per value of a master-free weight's gradient buffer, bytes of the workspace per byte
+        of the dequantization buffer) at ``num_microbatches`` per step: the buffer, or, updated in the
+        backward, none, and a workspace of the buffer's dtype beside the fp32 one where it is
+        narrower (``quant.master_free``'s ``_gradient``)."""
+        if self.master_free_update_in_backward and num_microbatches == 1:
+            g = self.master_free_grad_bytes
+            return 0, (g / 4 if g < 4 else 0.0)
+        return self.master_free_grad_bytes, 0.0
 
     def levels(self) -> list[str]:
         """Precision levels a stage can run at: ``none`` and every format some layer allows."""
@@ -281,12 +296,15 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
     mem = dict.fromkeys(MEMORY_CATEGORIES, 0)
     if c.level not in stage_levels(prob, k):
         raise ValueError(f"level {c.level!r} is not a choice under {k}: use one of {stage_levels(prob, k)}")
+    grad_bytes, grad_ws = prob.master_free_gradient_bytes(k.num_microbatches) if k.master_free else (4, 0.0)
     for layer in layers:
         for cat, v in layer.static_bytes(layer.format_for(c.level), k.optimizer_8bit, k.master_free,
-                                          prob.master_free_grad_bytes).items():
+                                          grad_bytes).items():
             mem[cat] += v
-    # the low-bit layers share one dequantization buffer: the largest of theirs
-    mem["weights"] += max(layer.workspace_bytes.get(layer.format_for(c.level), 0) for layer in layers)
+    # the low-bit layers share one dequantization buffer: the largest of theirs (and one of the
+    # gradient's dtype beside it, for a gradient made in the backward)
+    ws = max(layer.workspace_bytes.get(layer.format_for(c.level), 0) for layer in layers)
+    mem["weights"] += int(ws * (1.0 + grad_ws))
     saved = [layer.saved_bytes[layer.format_for(c.level)] * b for layer in layers]
     rec = [c.recomputes(i) for i in range(c.first, c.last)]
     # one layer at a time runs its backward: the largest transient of the stage's layers on top
@@ -398,10 +416,13 @@ def stage_levels(prob: PlanningProblem, k: Knobs) -> list[str]:
     return levels
 
 
-def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_free: bool = False) -> tuple:
+def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_free: bool = False,
+                   grad_bytes: tuple[int, float] | None = None) -> tuple:
     """Per stage option (level, recompute, keep_last): compute time, static bytes, activation bytes per
     in-flight micro-batch and transient bytes of every segment. Independent of codecs, schedule and
-    pipeline degree, so ``plan_pipeline`` caches it per (micro-batch size, optimizer)."""
+    pipeline degree, so ``plan_pipeline`` caches it per (micro-batch size, optimizer, master-free
+    gradient bytes: ``PlanningProblem.master_free_gradient_bytes``, default the buffer's)."""
+    grad_bytes, grad_ws = grad_bytes or (prob.master_free_grad_bytes, 0.0)
     layers, L = prob.layers, len(prob.layers)
     N = L + 1
     levels = stage_levels(prob, Knobs(1, b, 1, "1f1b", NO_CODEC, NO_CODEC, optimizer_8bit, master_free))
@@ -425,7 +446,7 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
         fmts = [layer.format_for(level) for layer in layers]
         tm = np.array([layer.time(f, b) for layer, f in zip(layers, fmts)])
         stat = [
-            sum(layer.static_bytes(f, optimizer_8bit, master_free, prob.master_free_grad_bytes).values())
+            sum(layer.static_bytes(f, optimizer_8bit, master_free, grad_bytes).values())
             for layer, f in zip(layers, fmts)
         ]
         saved = np.array([layer.saved_bytes[f] * b for layer, f in zip(layers, fmts)], dtype=float)
@@ -444,7 +465,7 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
             pre_saved,
             pre_rc,
             trans,
-            range_max(ws),  # the largest dequantization buffer of the segment
+            range_max(ws) * (1.0 + grad_ws),  # the largest dequantization buffer of the segment
             pre_g,
             # the backward of layer t in [i, j): kept activations of [i, t] + gradients of [t, j) is
             # (pre[t + 1] - pre_g[t]) - pre[i] + pre_g[j], pre by whether t recomputes
@@ -474,9 +495,10 @@ def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) 
     """Vectorised ``stage_time``/``stage_memory`` for every segment ``[i, j)`` and stage position."""
     layers, L, b = prob.layers, len(prob.layers), k.micro_batch_size
     N, p = L + 1, k.pipeline_degree
-    key = (b, k.optimizer_8bit, k.master_free)
+    grad_bytes = prob.master_free_gradient_bytes(k.num_microbatches) if k.master_free else None
+    key = (b, k.optimizer_8bit, k.master_free, grad_bytes)
     if cache is None or key not in cache:
-        tabs = _option_tables(prob, b, k.optimizer_8bit, k.master_free)
+        tabs = _option_tables(prob, b, k.optimizer_8bit, k.master_free, grad_bytes)
         if cache is not None:
             cache[key] = tabs
     else:

@@ -45,6 +45,8 @@ class Profile:
             their measured times hold for it.
         grads_freed_after_step: the engine frees parameter gradients after its optimizer step
             (``PlanningProblem.grads_freed_after_step``).
+        master_free_update_in_backward: the engine updates master-free weights in their backward at
+            one micro-batch per step (``PlanningProblem.master_free_update_in_backward``).
     """
 
     layers: list[LayerProfile]
@@ -54,6 +56,7 @@ class Profile:
     step_transient_bytes_per_param: float = 0.0
     threads_per_rank: int | None = None
     grads_freed_after_step: bool = False
+    master_free_update_in_backward: bool = False
 
     def to_dict(self) -> dict:
         return {
@@ -64,6 +67,7 @@ class Profile:
             "step_transient_bytes_per_param": self.step_transient_bytes_per_param,
             "threads_per_rank": self.threads_per_rank,
             "grads_freed_after_step": self.grads_freed_after_step,
+            "master_free_update_in_backward": self.master_free_update_in_backward,
         }
 
     @classmethod
@@ -78,6 +82,7 @@ class Profile:
             step_transient_bytes_per_param=float(d.get("step_transient_bytes_per_param", 0.0)),
             threads_per_rank=d.get("threads_per_rank"),
             grads_freed_after_step=bool(d.get("grads_freed_after_step", False)),
+            master_free_update_in_backward=bool(d.get("master_free_update_in_backward", False)),
         )
 
 

@@ -66,6 +66,17 @@ def _grads_freed_after_step(ds_config: dict) -> bool:
     return not mixed and not (ds_config.get("zero_optimization") or {}).get("stage", 0)
 
 
+def _master_free_updates_in_backward(ds_config: dict) -> bool:
+    """Whether the engine a plan of one micro-batch per step builds from ``ds_config`` updates its
+    master-free weights in their backward (``quant.master_free.updates_in_backward``)."""
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    from deepspeed_ppq.quant.master_free import updates_in_backward
+
+    clip = ds_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT)
+    return updates_in_backward(1, float(clip or 0.0), bool((ds_config.get("fp16") or {}).get("enabled")))
+
+
 # ----------------------------------------------------------------------------------------------
 # The runner
 # ----------------------------------------------------------------------------------------------
@@ -183,6 +194,7 @@ class DeepSpeedRunner:
         prof.link = link
         prof.threads_per_rank = torch.get_num_threads()
         prof.grads_freed_after_step = _grads_freed_after_step(self.ds_config)
+        prof.master_free_update_in_backward = _master_free_updates_in_backward(self.ds_config)
         return prof
 
     # ----- a trial ----------------------------------------------------------------------------------

@@ -523,6 +523,29 @@ def test_gradients_made_in_backward_are_not_counted_under_the_activations():
     assert sum(layer.freed_grad_bytes("int8", True) for layer in prob.layers) == sum(grads) - q_bytes
 
 
+def test_master_free_weights_updated_in_backward_hold_no_gradient_buffer():
+    """Where the engine updates master-free weights in their backward (one micro-batch per step, no
+    clipping: ``master_free_update_in_backward``), a master-free stage holds no gradient buffer for
+    them, only a workspace of the buffer's dtype (bf16: half the fp32 dequantization buffer); with two
+    micro-batches per step the buffer stays."""
+    from deepspeed_ppq.autotune.planner import stage_memory
+
+    prob = _problem(6, 6, world_size=1, global_batch=4, pipeline_degrees=[1], master_free=[False, True],
+                    master_free_grad_dtype="bf16")
+    live = PlanningProblem(**{**prob.__dict__, "master_free_update_in_backward": True})
+    c = StageChoice(0, 6, "int8", False)
+    one, two = _knobs(1, 4, 1, master_free=True), _knobs(1, 2, 2, master_free=True)
+    assert stage_memory(live, two, c, 0) == stage_memory(prob, two, c, 0)
+    held, lean = stage_memory(prob, one, c, 0), stage_memory(live, one, c, 0)
+    q = sum(layer.quantizable_params for layer in prob.layers)
+    ws = max(layer.workspace_bytes.get("int8", 0) for layer in prob.layers)
+    assert q > 0 and ws > 0
+    assert held["gradients"] - lean["gradients"] == 2 * q  # the bf16 buffer
+    assert lean["weights"] - held["weights"] == ws // 2
+    assert {x: lean[x] for x in lean if x not in ("gradients", "weights")} == {
+        x: held[x] for x in held if x not in ("gradients", "weights")}
+
+
 def test_step_transient_counts_the_parameters_the_engine_steps():
     """The engine's step transient (DeepSpeed flattens the gradients it reduces) scales with the parameters
     whose ``.grad`` it reduces and steps: a master-free weight has its own gradient buffer and update, so
@@ -546,7 +569,8 @@ def test_step_transient_counts_the_parameters_the_engine_steps():
 def test_segment_tables_equal_stage_memory(seed):
     """The DP's vectorised memory tables give, for every stage position and segment, the smallest of
     ``stage_memory`` over the stage options: recomputation (partial too), master-free levels, a step
-    transient, and gradients made in the backward (GPipe, or no more micro-batches than in flight)."""
+    transient, gradients made in the backward (GPipe, or no more micro-batches than in flight) and
+    master-free weights updated there."""
     from deepspeed_ppq.autotune.planner import _segment_tables, stage_memory
 
     rng = random.Random(200 + seed)
@@ -556,8 +580,12 @@ def test_segment_tables_equal_stage_memory(seed):
     prob = _problem(seed, L, world_size=p, global_batch=8, recompute_keep=(1, 2),
                     allow_recompute=seed % 3 != 1, grads_freed_after_step=seed % 3 != 2,
                     step_transient_bytes_per_param=rng.choice([0.0, 1.0]),
-                    step_fixed_bytes=rng.uniform(0, 20_000), activation_extra_bytes={1: 3000.0})
-    k = _knobs(p, rng.choice([2, 4]), rng.choice([1, 2, 4]), schedule=rng.choice(["1f1b", "gpipe"]),
+                    step_fixed_bytes=rng.uniform(0, 20_000), activation_extra_bytes={1: 3000.0},
+                    master_free_update_in_backward=seed % 5 < 3,
+                    master_free_grad_dtype=["fp32", "bf16"][seed % 2])
+    # seeds 0 and 1: master-free weights updated in the backward (one micro-batch), fp32 and bf16
+    m = 1 if seed < 2 else rng.choice([1, 2, 4])
+    k = _knobs(p, rng.choice([2, 4]), m, schedule=rng.choice(["1f1b", "gpipe"]),
                optimizer_8bit=bool(seed % 2), master_free=seed % 4 < 2)
     tabs = _segment_tables(prob, k)
     for s in range(p):
