@@ -44,6 +44,7 @@ from deepspeed_ppq.autotune.costs import (
 from deepspeed_ppq.autotune.memory import PREDICTED
 from deepspeed_ppq.autotune.plan import Plan, StagePlan, recomputes
 from deepspeed_ppq.formats import GRAD_DTYPE_BYTES
+from deepspeed_ppq.quant.master_free import IN_BACKWARD_BUCKET
 from deepspeed_ppq.quant.optim import MIN_8BIT_SIZE
 from deepspeed_ppq.schedule import LinkModel
 
@@ -190,15 +191,17 @@ class PlanningProblem:
                              f"{sorted(GRAD_DTYPE_BYTES)}")
         return GRAD_DTYPE_BYTES[self.master_free_grad_dtype]
 
-    def master_free_gradient_bytes(self, num_microbatches: int) -> tuple[int, float]:
-        """(bytes per value of a master-free weight's gradient buffer, bytes of the workspace per byte
-        of the dequantization buffer) at ``num_microbatches`` per step: the buffer, or, updated in the
-        backward, none, and a workspace of the buffer's dtype beside the fp32 one where it is
-        narrower (``quant.master_free``'s ``_gradient``)."""
+    def master_free_gradient_bytes(self, num_microbatches: int, data_parallel: int) -> tuple[int, float, int]:
+        """How a master-free weight's gradient is held at ``num_microbatches`` per step and
+        ``data_parallel`` replicas: (bytes per value of its buffer, bytes of workspace per byte of the
+        dequantization buffer, bytes of the bucket gradients wait in). The buffer; or, updated in the
+        backward, none, a workspace of the gradient's dtype beside the fp32 one where it is narrower
+        (``quant.master_free``'s ``_gradient``), and with replicas a bucket of ``IN_BACKWARD_BUCKET``
+        values (at most the stage's own master-free values)."""
         if self.master_free_update_in_backward and num_microbatches == 1:
             g = self.master_free_grad_bytes
-            return 0, (g / 4 if g < 4 else 0.0)
-        return self.master_free_grad_bytes, 0.0
+            return 0, (g / 4 if g < 4 else 0.0), (IN_BACKWARD_BUCKET * g if data_parallel > 1 else 0)
+        return self.master_free_grad_bytes, 0.0, 0
 
     def levels(self) -> list[str]:
         """Precision levels a stage can run at: ``none`` and every format some layer allows."""
@@ -296,7 +299,10 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
     mem = dict.fromkeys(MEMORY_CATEGORIES, 0)
     if c.level not in stage_levels(prob, k):
         raise ValueError(f"level {c.level!r} is not a choice under {k}: use one of {stage_levels(prob, k)}")
-    grad_bytes, grad_ws = prob.master_free_gradient_bytes(k.num_microbatches) if k.master_free else (4, 0.0)
+    dp = _data_parallel(prob, k)
+    grad_bytes, grad_ws, bucket = (4, 0.0, 0)
+    if k.master_free:
+        grad_bytes, grad_ws, bucket = prob.master_free_gradient_bytes(k.num_microbatches, dp)
     for layer in layers:
         for cat, v in layer.static_bytes(layer.format_for(c.level), k.optimizer_8bit, k.master_free,
                                           grad_bytes).items():
@@ -305,6 +311,9 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
     # gradient's dtype beside it, for a gradient made in the backward)
     ws = max(layer.workspace_bytes.get(layer.format_for(c.level), 0) for layer in layers)
     mem["weights"] += int(ws * (1.0 + grad_ws))
+    if bucket:  # no larger than the stage's master-free gradients
+        q = sum(layer.quantizable_params for layer in layers if layer.format_for(c.level) != "none")
+        mem["gradients"] += int(min(bucket, prob.master_free_grad_bytes * q))
     saved = [layer.saved_bytes[layer.format_for(c.level)] * b for layer in layers]
     rec = [c.recomputes(i) for i in range(c.first, c.last)]
     # one layer at a time runs its backward: the largest transient of the stage's layers on top
@@ -331,6 +340,10 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
     return mem
 
 
+def _data_parallel(prob: PlanningProblem, k: Knobs) -> int:
+    return prob.world_size // k.pipeline_degree
+
+
 def _grads_made_in_backward(prob: PlanningProblem, k: Knobs, n_act: int) -> bool:
     """Whether a stage holding ``n_act`` micro-batches in flight makes its parameter gradients during
     its first backward of a step, after all of its forwards (``grads_freed_after_step``)."""
@@ -352,7 +365,7 @@ def optimizer_units(prob: PlanningProblem, k: Knobs, layer: LayerProfile, fmt: s
 
 def _extras(prob: PlanningProblem, k: Knobs, layers: list[tuple[LayerProfile, str]]) -> float:
     """Optimizer step plus data-parallel gradient all-reduce (ring) of a stage: ``(layer, format)``s."""
-    dp = prob.world_size // k.pipeline_degree
+    dp = _data_parallel(prob, k)
     t = prob.optimizer_s_per_param * sum(optimizer_units(prob, k, layer, fmt) for layer, fmt in layers)
     if dp > 1:
         params = sum(layer.params for layer, _ in layers)
@@ -417,12 +430,12 @@ def stage_levels(prob: PlanningProblem, k: Knobs) -> list[str]:
 
 
 def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_free: bool = False,
-                   grad_bytes: tuple[int, float] | None = None) -> tuple:
+                   grad_bytes: tuple[int, float, int] | None = None) -> tuple:
     """Per stage option (level, recompute, keep_last): compute time, static bytes, activation bytes per
     in-flight micro-batch and transient bytes of every segment. Independent of codecs, schedule and
     pipeline degree, so ``plan_pipeline`` caches it per (micro-batch size, optimizer, master-free
     gradient bytes: ``PlanningProblem.master_free_gradient_bytes``, default the buffer's)."""
-    grad_bytes, grad_ws = grad_bytes or (prob.master_free_grad_bytes, 0.0)
+    grad_bytes, grad_ws, bucket = grad_bytes or (prob.master_free_grad_bytes, 0.0, 0)
     layers, L = prob.layers, len(prob.layers)
     N = L + 1
     levels = stage_levels(prob, Knobs(1, b, 1, "1f1b", NO_CODEC, NO_CODEC, optimizer_8bit, master_free))
@@ -449,6 +462,11 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
             sum(layer.static_bytes(f, optimizer_8bit, master_free, grad_bytes).values())
             for layer, f in zip(layers, fmts)
         ]
+        if bucket:  # stage_memory's bucket: no larger than the segment's master-free gradients
+            q = _prefix([layer.quantizable_params if f != "none" else 0 for layer, f in zip(layers, fmts)])
+            stat = _seg(_prefix(stat)) + np.minimum(bucket, prob.master_free_grad_bytes * _seg(q))
+        else:
+            stat = _seg(_prefix(stat))
         saved = np.array([layer.saved_bytes[f] * b for layer, f in zip(layers, fmts)], dtype=float)
         trans = {r: range_max(np.array([layer.transient_bytes(f, r, b) for layer, f in zip(layers, fmts)],
                                        dtype=float)) for r in (False, True)}
@@ -461,7 +479,7 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
             _seg(_prefix(tm[:, 0])),
             _seg(_prefix(np.where(rc, tm[:, 0], 0.0))),
             _seg(_prefix(tm[:, 1] + tm[:, 2])),
-            _seg(_prefix(stat)),
+            stat,
             pre_saved,
             pre_rc,
             trans,
@@ -495,7 +513,8 @@ def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) 
     """Vectorised ``stage_time``/``stage_memory`` for every segment ``[i, j)`` and stage position."""
     layers, L, b = prob.layers, len(prob.layers), k.micro_batch_size
     N, p = L + 1, k.pipeline_degree
-    grad_bytes = prob.master_free_gradient_bytes(k.num_microbatches) if k.master_free else None
+    grad_bytes = (prob.master_free_gradient_bytes(k.num_microbatches, _data_parallel(prob, k))
+                  if k.master_free else None)
     key = (b, k.optimizer_8bit, k.master_free, grad_bytes)
     if cache is None or key not in cache:
         tabs = _option_tables(prob, b, k.optimizer_8bit, k.master_free, grad_bytes)

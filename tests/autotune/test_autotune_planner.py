@@ -523,11 +523,13 @@ def test_gradients_made_in_backward_are_not_counted_under_the_activations():
     assert sum(layer.freed_grad_bytes("int8", True) for layer in prob.layers) == sum(grads) - q_bytes
 
 
-def test_master_free_weights_updated_in_backward_hold_no_gradient_buffer():
+def test_master_free_weights_updated_in_backward_hold_no_gradient_buffer(monkeypatch):
     """Where the engine updates master-free weights in their backward (one micro-batch per step, no
     clipping: ``master_free_update_in_backward``), a master-free stage holds no gradient buffer for
     them, only a workspace of the buffer's dtype (bf16: half the fp32 dequantization buffer); with two
-    micro-batches per step the buffer stays."""
+    micro-batches per step the buffer stays. With replicas the gradients wait for their all-reduce in a
+    bucket: at most ``IN_BACKWARD_BUCKET`` values, at most the stage's own."""
+    from deepspeed_ppq.autotune import planner
     from deepspeed_ppq.autotune.planner import stage_memory
 
     prob = _problem(6, 6, world_size=1, global_batch=4, pipeline_degrees=[1], master_free=[False, True],
@@ -544,6 +546,12 @@ def test_master_free_weights_updated_in_backward_hold_no_gradient_buffer():
     assert lean["weights"] - held["weights"] == ws // 2
     assert {x: lean[x] for x in lean if x not in ("gradients", "weights")} == {
         x: held[x] for x in held if x not in ("gradients", "weights")}
+    # two replicas of the one stage: a bucket as large as the stage's gradients holds them all; a
+    # smaller one its own size
+    dp = PlanningProblem(**{**live.__dict__, "world_size": 2, "global_batch": 8})
+    assert stage_memory(dp, one, c, 0)["gradients"] == held["gradients"]
+    monkeypatch.setattr(planner, "IN_BACKWARD_BUCKET", 1000)
+    assert stage_memory(dp, one, c, 0)["gradients"] == lean["gradients"] + 2 * 1000
 
 
 def test_step_transient_counts_the_parameters_the_engine_steps():
@@ -566,18 +574,21 @@ def test_step_transient_counts_the_parameters_the_engine_steps():
 
 
 @pytest.mark.parametrize("seed", range(9))
-def test_segment_tables_equal_stage_memory(seed):
+def test_segment_tables_equal_stage_memory(seed, monkeypatch):
     """The DP's vectorised memory tables give, for every stage position and segment, the smallest of
     ``stage_memory`` over the stage options: recomputation (partial too), master-free levels, a step
     transient, gradients made in the backward (GPipe, or no more micro-batches than in flight) and
     master-free weights updated there."""
+    from deepspeed_ppq.autotune import planner
     from deepspeed_ppq.autotune.planner import _segment_tables, stage_memory
 
     rng = random.Random(200 + seed)
     L, p = rng.choice([(5, 1), (6, 2), (7, 3)])
+    # seeds 0 and 1 with two replicas and a bucket smaller than some segments' master-free gradients
+    monkeypatch.setattr(planner, "IN_BACKWARD_BUCKET", 15_000)
     # activations of micro-batch 2 or 4 against gradients of the same order, a step transient that
     # sometimes binds
-    prob = _problem(seed, L, world_size=p, global_batch=8, recompute_keep=(1, 2),
+    prob = _problem(seed, L, world_size=p * (2 if seed < 2 else 1), global_batch=8, recompute_keep=(1, 2),
                     allow_recompute=seed % 3 != 1, grads_freed_after_step=seed % 3 != 2,
                     step_transient_bytes_per_param=rng.choice([0.0, 1.0]),
                     step_fixed_bytes=rng.uniform(0, 20_000), activation_extra_bytes={1: 3000.0},

@@ -23,6 +23,7 @@ from deepspeed_ppq.quant import QuantLinear, build_optimizer, clear_workspace, c
 from deepspeed_ppq.quant import ops as wops
 from deepspeed_ppq.quant.ledger import ParamSpec, ledger_from_model, ledger_from_shapes
 from deepspeed_ppq.quant.master_free import (
+    IN_BACKWARD_BUCKET,
     attach_master_free,
     master_free_layers,
     master_free_step,
@@ -672,9 +673,12 @@ def _dp_rank() -> None:
     torch.manual_seed(0)
     batches = [torch.randint(0, 64, (4, 16)) for _ in range(3)]
     out = {"rank": rank}
-    # one micro-batch per step, no clipping: the engine updates in the backward (bf16: each layer's
-    # gradient is all-reduced in bf16); "fp32_buffered": the same with the gradient buffers
-    for grad_dtype, in_backward in (("fp32", None), ("bf16", None), ("fp32", False)):
+    # one micro-batch per step, no clipping: the engine updates in the backward (bf16: the bucket is
+    # all-reduced in bf16); "fp32_small": a bucket of 3000 values, all-reduced several times in a
+    # backward (the larger layers alone); "fp32_buffered": the gradient buffers
+    runs = {"fp32": ("fp32", None, IN_BACKWARD_BUCKET), "bf16": ("bf16", None, IN_BACKWARD_BUCKET),
+            "fp32_small": ("fp32", None, 3000), "fp32_buffered": ("fp32", False, IN_BACKWARD_BUCKET)}
+    for key, (grad_dtype, in_backward, bucket) in runs.items():
         wcfg = WeightsConfig(format="int8", master="none", keep_first_blocks=0, keep_last_blocks=1,
                              grad_dtype=grad_dtype)
         torch.manual_seed(0)
@@ -683,19 +687,18 @@ def _dp_rank() -> None:
         dcfg = {"steps_per_print": 10**6, "gradient_clipping": 0.0, "train_batch_size": 4,
                 "train_micro_batch_size_per_gpu": 2}
         dengine, *_ = deepspeed.initialize(model=model, optimizer=dopt, config=dcfg)
-        attach_master_free(dengine, dengine.module, update_in_backward=in_backward)
+        attach_master_free(dengine, dengine.module, update_in_backward=in_backward, bucket_values=bucket)
         for b in batches:
             mine = b.chunk(2)[rank]
             loss = gpt_loss(dengine(mine), mine)
             dengine.backward(loss)
             dengine.step()
         layers = master_free_layers(dengine.module)
-        key = grad_dtype if in_backward is None else f"{grad_dtype}_buffered"
         out[key] = {"codes": [m.qweight.qdata.tolist() for m in layers], "world": dengine.dp_world_size,
                     "in_backward": all(m.update_in_backward is not None for m in layers),
                     "grad_dtypes": sorted({str(m.weight_grad.dtype) for m in layers
                                            if m.weight_grad is not None})}
-        if rank == 0 and in_backward is None:
+        if rank == 0 and key in ("fp32", "bf16"):
             torch.manual_seed(0)
             ref = convert_model(GPT(CFG), wcfg, block_layers=BLOCKS)
             ropt = build_optimizer(ref.parameters(), "adam", lr=1e-2)
@@ -732,13 +735,13 @@ def test_deepspeed_data_parallel_matches_one_process():
     r0, r1 = run_ranks(__file__, 2, ["--dp-rank"], timeout=300)
     # updated in the backward (fp32 and bf16 gradients: no buffers) and buffered (fp32): both replicas
     # hold the same codes; the two ways the same codes bit for bit
-    for key, in_backward, buffers in (("fp32", True, []), ("bf16", True, []),
+    for key, in_backward, buffers in (("fp32", True, []), ("bf16", True, []), ("fp32_small", True, []),
                                       ("fp32_buffered", False, ["torch.float32"])):
         a, b = r0[key], r1[key]
         assert a["world"] == 2 and a["grad_dtypes"] == b["grad_dtypes"] == buffers
         assert a["in_backward"] == b["in_backward"] == in_backward
         assert a["codes"] == b["codes"]
-    assert r0["fp32"]["codes"] == r0["fp32_buffered"]["codes"]
+    assert r0["fp32"]["codes"] == r0["fp32_small"]["codes"] == r0["fp32_buffered"]["codes"]
     # fp32: equal to one process on the whole batch up to a rare code on the other SR neighbour (averaged
     # half-batch gradients equal the whole-batch gradient up to float order)
     dp, ref = (torch.tensor(sum(r0["fp32"][k], [])) for k in ("codes", "reference_codes"))
