@@ -132,8 +132,9 @@ class PlanningProblem:
             Master-free weights keep their gradient buffers (``LayerProfile.freed_grad_bytes``).
         master_free_update_in_backward: the engine updates master-free weights in their backward where a
             step has one micro-batch (``quant.master_free.updates_in_backward``: no clipping, no fp16
-            loss scaling): such plans hold no master-free gradient buffer, only one layer's gradient in
-            a shared workspace (``master_free_gradient_bytes``).
+            loss scaling): such plans hold no master-free gradient buffer, a workspace of the gradient's
+            dtype and, with replicas, the bucket gradients wait in for their all-reduce
+            (``master_free_gradient_bytes``).
         activation_extra_bytes: per micro-batch size measured, the bytes a stage holds in the pipeline
             phase beyond its profiled activations and pipe buffers (the engine keeps copies of received
             activations, outputs until they are sent, ...): the largest over the stages measured, added
@@ -432,9 +433,10 @@ def stage_levels(prob: PlanningProblem, k: Knobs) -> list[str]:
 def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_free: bool = False,
                    grad_bytes: tuple[int, float, int] | None = None) -> tuple:
     """Per stage option (level, recompute, keep_last): compute time, static bytes, activation bytes per
-    in-flight micro-batch and transient bytes of every segment. Independent of codecs, schedule and
-    pipeline degree, so ``plan_pipeline`` caches it per (micro-batch size, optimizer, master-free
-    gradient bytes: ``PlanningProblem.master_free_gradient_bytes``, default the buffer's)."""
+    in-flight micro-batch and transient bytes of every segment. Independent of codecs and schedule, and
+    of the pipeline degree but through the master-free gradient bytes (``grad_bytes``:
+    ``PlanningProblem.master_free_gradient_bytes``, default the buffer's), so ``plan_pipeline`` caches it
+    per (micro-batch size, optimizer, master-free, gradient bytes)."""
     grad_bytes, grad_ws, bucket = grad_bytes or (prob.master_free_grad_bytes, 0.0, 0)
     layers, L = prob.layers, len(prob.layers)
     N = L + 1
