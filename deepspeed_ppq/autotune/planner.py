@@ -317,12 +317,15 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
         mem["gradients"] += int(min(bucket, prob.master_free_grad_bytes * q))
     saved = [layer.saved_bytes[layer.format_for(c.level)] * b for layer in layers]
     rec = [c.recomputes(i) for i in range(c.first, c.last)]
-    # one layer at a time runs its backward: the largest transient of the stage's layers on top
-    transient = max(layer.transient_bytes(layer.format_for(c.level), r, b) for layer, r in zip(layers, rec))
+    trans = [layer.transient_bytes(layer.format_for(c.level), r, b) for layer, r in zip(layers, rec)]
     # checkpointed layers keep only their input
     kept = [b * layer.input_bytes if r and layer.recomputable else x
             for layer, x, r in zip(layers, saved, rec)]
-    mem["activations"] = n_act * sum(kept) + transient
+    # one layer at a time runs its backward, from the last: while layer t does, the micro-batch holds
+    # the kept activations of layers <= t and t's transient (a recomputed layer: all it rebuilds); the
+    # other micro-batches in flight hold all of theirs
+    peak = max(sum(kept[: t + 1]) + trans[t] for t in range(len(layers)))
+    mem["activations"] = (n_act - 1) * sum(kept) + peak
     grad_buf = layers[-1].output_bytes if c.last < len(prob.layers) else 0
     mem["comm_buffers"] = n_buf * b * (layers[0].input_bytes + layers[-1].output_bytes) + b * grad_buf
     mem["activations"] += int(prob.activation_extra_for(b))
@@ -331,11 +334,11 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
     transient = prob.step_transient_bytes_per_param * params + prob.step_fixed_bytes
     mem["temporaries"] = int(max(0.0, transient - mem["activations"]))
     if _grads_made_in_backward(prob, k, n_act):
-        # the backward of layer t holds the kept activations of layers <= t and the gradients of
-        # layers >= t; the step all the gradients. "gradients" is what the peak holds beyond the
-        # activations of every layer (the sum stays the peak, whichever phase it is in)
+        # the backward of layer t holds the kept activations of layers <= t, t's transient and the
+        # gradients of layers >= t; the step all the gradients. "gradients" is what the peak holds
+        # beyond the activations' own peak (the sum stays the peak, whichever phase it is in)
         freed = [layer.freed_grad_bytes(layer.format_for(c.level), k.master_free) for layer in layers]
-        over = max(sum(kept[: t + 1]) + sum(freed[t:]) for t in range(len(layers))) - sum(kept)
+        over = max(sum(kept[: t + 1]) + trans[t] + sum(freed[t:]) for t in range(len(layers))) - peak
         pg = sum(freed)
         mem["gradients"] -= pg - int(min(pg, max(over, pg + transient - mem["activations"])))
     return mem
@@ -470,8 +473,8 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
         else:
             stat = _seg(_prefix(stat))
         saved = np.array([layer.saved_bytes[f] * b for layer, f in zip(layers, fmts)], dtype=float)
-        trans = {r: range_max(np.array([layer.transient_bytes(f, r, b) for layer, f in zip(layers, fmts)],
-                                       dtype=float)) for r in (False, True)}
+        tr = {r: np.array([layer.transient_bytes(f, r, b) for layer, f in zip(layers, fmts)], dtype=float)
+              for r in (False, True)}
         ws = np.array([layer.workspace_bytes.get(f, 0) for layer, f in zip(layers, fmts)], dtype=float)
         pre_saved = _prefix(saved)
         pre_rc = _prefix(np.where(rc, in_b * b, saved))  # checkpointed layers keep only their input
@@ -484,29 +487,34 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
             stat,
             pre_saved,
             pre_rc,
-            trans,
             range_max(ws) * (1.0 + grad_ws),  # the largest dequantization buffer of the segment
             pre_g,
-            # the backward of layer t in [i, j): kept activations of [i, t] + gradients of [t, j) is
-            # (pre[t + 1] - pre_g[t]) - pre[i] + pre_g[j], pre by whether t recomputes
-            range_max(pre_rc[1:] - pre_g[:-1], -_BIG),
-            range_max(pre_saved[1:] - pre_g[:-1], -_BIG),
+            # the backward of layer t in [i, j): kept activations of [i, t] + t's transient is
+            # (pre[t + 1] + tr[t]) - pre[i], plus the gradients of [t, j): - pre_g[t] + pre_g[j]; pre and
+            # tr by whether t recomputes
+            range_max(pre_rc[1:] + tr[True], -_BIG),
+            range_max(pre_saved[1:] + tr[False], -_BIG),
+            range_max(pre_rc[1:] + tr[True] - pre_g[:-1], -_BIG),
+            range_max(pre_saved[1:] + tr[False] - pre_g[:-1], -_BIG),
             engine,
         )
     for o, (level, rec, keep) in enumerate(options):
-        (fwd, fwd_rc, bwd, stat, pre_saved, pre_rc, trans, ws, pre_g, top_rc, top_saved,
+        (fwd, fwd_rc, bwd, stat, pre_saved, pre_rc, ws, pre_g, peak_rc, peak_saved, top_rc, top_saved,
          engine) = per_level[level]
-        # layers [i, m) recompute, [m, j) keep their activations; the largest backward transient on top
+        # layers [i, m) recompute, [m, j) keep their activations
         m = np.maximum(ii, jj - keep) if rec else ii
         t_opt[o] = fwd + fwd_rc[ii, m] + bwd
         static_opt[o] = stat
         act_opt[o] = pre_rc[m] - pre_rc[ii] + pre_saved[jj] - pre_saved[m]
-        transient_opt[o] = np.maximum(trans[True][ii, m], trans[False][m, jj])
+        # stage_memory's peak over the backward, kept as its excess over the kept activations
+        shift = pre_rc[m] - pre_saved[m]  # the kept region's prefix continues the recomputed one's
+        peak = np.maximum(peak_rc[ii, m], peak_saved[m, jj] + shift) - pre_rc[ii]
+        transient_opt[o] = np.where(jj > ii, peak - act_opt[o], 0.0)
         ws_opt[o] = ws
         freed_opt[o] = _seg(pre_g)
-        # stage_memory's "over": the largest of those backward sums beyond the kept activations
-        top = np.maximum(top_rc[ii, m], top_saved[m, jj] + pre_rc[m] - pre_saved[m])
-        over_opt[o] = np.where(jj > ii, top - pre_rc[ii] + pre_g[jj] - act_opt[o], 0.0)
+        # stage_memory's "over": the largest of the backward sums with gradients beyond that peak
+        top = np.maximum(top_rc[ii, m], top_saved[m, jj] + shift)
+        over_opt[o] = np.where(jj > ii, top - pre_rc[ii] + pre_g[jj] - peak, 0.0)
         engine_opt[o] = engine
     return options, t_opt, static_opt + ws_opt, act_opt, transient_opt, freed_opt, over_opt, engine_opt
 

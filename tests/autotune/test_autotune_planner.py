@@ -427,11 +427,32 @@ def test_recompute_model_skips_the_embedding_like_the_runtime():
     fwd = [layer.time("none", 2)[0] for layer in prob.layers[:3]]
     assert stage_time(prob, k, rec) - stage_time(prob, k, plain) == pytest.approx(fwd[1] + fwd[2])
     emb, b1, b2 = prob.layers[:3]
-    want = 2 * (2 * emb.saved_bytes["none"] + 2 * (b1.input_bytes + b2.input_bytes)) + 2 * max(
-        b1.saved_bytes["none"], b2.saved_bytes["none"]
-    )
+    kept = 2 * emb.saved_bytes["none"] + 2 * (b1.input_bytes + b2.input_bytes)  # per micro-batch
+    # two micro-batches in flight; the one in its backward rebuilds b2 with all of its own kept, then b1
+    # once b2's input is gone
+    want = 2 * kept + max(2 * b2.saved_bytes["none"], 2 * b1.saved_bytes["none"] - 2 * b2.input_bytes)
     assert stage_memory(prob, k, rec, 0)["activations"] == want
     assert [layer.recomputable for layer in prob.layers] == [False, True, True, True, True]
+
+
+def test_recomputed_layers_rebuild_their_activations_after_the_kept_ones_are_gone():
+    """One micro-batch in flight, a stage [embedding, b1, b2, b3] recomputing b1 and b2 and keeping b3:
+    the backward runs b3 first, with every kept activation; when b2 and b1 rebuild theirs, b3's are
+    gone. The peak is the largest of those moments, not every kept activation plus the largest
+    rebuild (the sweep's one stage of 8 x 1 keeping 6 blocks had been predicted over 67.2 MiB and
+    measured 62.8)."""
+    from deepspeed_ppq.autotune.planner import stage_memory
+
+    prob = _problem(3, 5, world_size=1, global_batch=2, micro_batch_sizes=[2], pipeline_degrees=[1])
+    emb, b1, b2, b3 = prob.layers[:4]
+    c = StageChoice(0, 4, "none", True, keep_last=1)
+    rec = (False, True, True, False)
+    tr = [layer.transient_bytes("none", r, 2) for layer, r in zip((emb, b1, b2, b3), rec)]
+    kept = [2 * emb.saved_bytes["none"], 2 * b1.input_bytes, 2 * b2.input_bytes, 2 * b3.saved_bytes["none"]]
+    moments = [kept[0] + tr[0], sum(kept[:2]) + tr[1], sum(kept[:3]) + tr[2], sum(kept) + tr[3]]
+    got = stage_memory(prob, _knobs(1, 2, 1), c, 0)["activations"]
+    assert got == max(moments)
+    assert tr[2] > tr[3] and got < sum(kept) + max(tr)  # what adding the largest rebuild on top gave
 
 
 def test_master_free_frees_the_masters_and_searches_exactly():
@@ -452,9 +473,9 @@ def test_master_free_frees_the_masters_and_searches_exactly():
     assert stage_levels(prob, kf) == ["none", "int8"] and "nf4" in stage_levels(prob, k)
     with pytest.raises(ValueError, match="level 'nf4'"):
         stage_memory(prob, kf, StageChoice(1, 4, "nf4", False), 0)
-    # 5% under the unconstrained peak: with fp32 masters a stage must recompute; master-free int8 keeps
+    # 7% under the unconstrained peak: with fp32 masters a stage must recompute; master-free int8 keeps
     # the activations instead, which is faster
-    prob.memory_budget = int(max(s.peak_memory for s in plan_pipeline(prob).stages) * 0.95)
+    prob.memory_budget = int(max(s.peak_memory for s in plan_pipeline(prob).stages) * 0.93)
     plan = plan_pipeline(prob)
     best = min(
         _brute_force(prob, _knobs(2, b, 8 // b, master_free=mf)) for b, mf in product([2, 4], [False, True])
