@@ -370,13 +370,18 @@ class _BackwardBucket:
         self.pending, self.used = [], 0
 
     def _step(self, items) -> None:
-        for layer, g in items:
-            layer.weight_grad = g
-        try:
-            self.step([layer for layer, _ in items])
-        finally:
-            for layer, _ in items:
-                layer.weight_grad = None
+        _step_on(self.step, items)
+
+
+def _step_on(step, items) -> None:
+    """``step(layers)`` with each layer's gradient given for the call only: ``items`` of (layer, g)."""
+    for layer, g in items:
+        layer.weight_grad = g
+    try:
+        step([layer for layer, _ in items])
+    finally:
+        for layer, _ in items:
+            layer.weight_grad = None
 
 
 class _Handle:
@@ -446,8 +451,11 @@ def attach_master_free(optimizer, model: nn.Module, *, max_grad_norm: float | No
 
     bucket = GradBucket(layers)
     total = sum(m.qweight.qdata.numel() for m in layers)
-    waiting = _BackwardBucket(min(bucket_values, total), dp_group, dp_world_size,
-                              lambda ls: _step_with(opt, ls, 1.0)) if reduce else None
+    def step_now(ls):  # layers updated in the backward: no clipping
+        _step_with(opt, ls, 1.0)
+
+    waiting = (_BackwardBucket(min(bucket_values, total), dp_group, dp_world_size, step_now)
+               if reduce and update_in_backward else None)
 
     def _update(*_args):  # with update_in_backward: the bucket's last layers (the others have no buffer)
         with torch.no_grad():
@@ -467,12 +475,8 @@ def attach_master_free(optimizer, model: nn.Module, *, max_grad_norm: float | No
             g = _gradient(layer, g2, x2)
             if waiting is not None:
                 waiting.add(layer, g)
-                return
-            layer.weight_grad = g
-            try:
-                _step_with(opt, [layer], 1.0)
-            finally:
-                layer.weight_grad = None
+            else:
+                _step_on(step_now, [(layer, g)])
 
     for m in layers:
         m.update_in_backward = _update_layer if update_in_backward else None
