@@ -104,6 +104,12 @@ class WeightsConfig(_Model):
         description="master='none' only: the dtype the weight gradient accumulates in over micro-batches "
         "(bf16: 2 B per value instead of 4; each micro-batch's product is rounded into it once)",
     )
+    saved_input: Literal["dense", "int8"] = Field(
+        "dense",
+        description="train mode: how a low-bit layer keeps its input for the weight gradient between "
+        "forward and backward; int8: blockwise int8 codes (1 B per value plus a scale per block_size), "
+        "as FP8 training keeps its inputs in FP8",
+    )
     lora_rank: int = Field(8, ge=1)
     lora_alpha: float = Field(16.0, gt=0)
     keep_first_blocks: int = Field(1, ge=0, description="first N transformer blocks stay high precision")
@@ -124,6 +130,11 @@ class WeightsConfig(_Model):
             raise ValueError(
                 f"grad_dtype={self.grad_dtype!r} is for master-free weights (master='none'); with "
                 f"master={self.master!r} the gradient is the parameter's own: use grad_dtype='fp32'"
+            )
+        if self.saved_input != "dense" and self.mode != "train":
+            raise ValueError(
+                f"saved_input={self.saved_input!r} is a train-mode option (got mode={self.mode!r}): a frozen "
+                "base computes no weight gradient and keeps no input for one"
             )
         if self.master == "none":
             if self.mode != "train":

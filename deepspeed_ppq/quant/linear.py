@@ -15,6 +15,9 @@ Two modes (``WeightsConfig.mode``):
   backward) and ``quant.master_free.attach_master_free`` updates the codes after each optimizer step
   (dequantize -> AdamW -> stochastic-rounding re-quantize). Optimizer states live on the layer
   (``optim_state``, ``optim_step``) and travel in its ``state_dict``.
+* ``"train"`` with ``WeightsConfig.saved_input="int8"``: the input kept for the weight gradient is
+  stored as blockwise int8 codes and scales (``ppq::weight_quantize``) and dequantized in backward, as
+  FP8 training keeps its inputs in FP8; the input gradient does not need it.
 * ``"frozen"``: only the low-bit base is kept (no master, no weight gradient), plus trainable LoRA
   adapters ``y = x W^T + b + (alpha / r) (x A^T) B^T`` with ``A`` [r, in] (Kaiming init) and ``B``
   [out, r] (zeros). The bias is frozen too.
@@ -44,6 +47,7 @@ from torch import nn
 from deepspeed_ppq.config import WeightFormat, WeightsConfig
 from deepspeed_ppq.formats import MASTER_FREE_FORMATS, format_spec
 from deepspeed_ppq.quant.formats import QuantizedWeight, quantize_weight
+from deepspeed_ppq.quant.ops import weight_dequantize, weight_quantize
 from deepspeed_ppq.quant.policy import as_policy, plan
 
 __all__ = [
@@ -103,7 +107,14 @@ class DequantLinearFunction(torch.autograd.Function):
         ctx.layer = layer
         ctx.version = layer.quant_version
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(x if master is not None and master.requires_grad else None)
+        ctx.x_meta = None
+        if master is None or not master.requires_grad:
+            ctx.save_for_backward(None)
+        elif layer.saved_input == "int8":  # the weight gradient's input, kept as blockwise int8 codes
+            ctx.x_meta = (x.shape, x.dtype)
+            ctx.save_for_backward(*weight_quantize(x, "int8", layer.qweight.block_size))
+        else:
+            ctx.save_for_backward(x)
         return y
 
     @staticmethod
@@ -114,7 +125,11 @@ class DequantLinearFunction(torch.autograd.Function):
                 "QuantLinear: the compute weight was re-quantized between forward and backward "
                 "(optimizer.step() before backward finished?); the gradient would use the wrong weight"
             )
-        (x,) = ctx.saved_tensors
+        if ctx.x_meta is None:
+            (x,) = ctx.saved_tensors
+        else:
+            shape, dtype = ctx.x_meta
+            x = weight_dequantize(*ctx.saved_tensors, "int8", layer.qweight.block_size, shape, dtype)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = grad_y.matmul(_dequantized(layer, grad_y.dtype))
@@ -214,6 +229,7 @@ class QuantLinear(nn.Module):
         # there instead of accumulating its gradient (attach_master_free's update_in_backward)
         self.update_in_backward = None
         self.grad_dtype = torch.bfloat16 if cfg.grad_dtype == "bf16" else torch.float32
+        self.saved_input = cfg.saved_input if self.mode == "train" else "dense"
         self.optim_state: dict[str, torch.Tensor] = {}  # master-free: AdamW moments (fp32 or 8-bit)
         self.optim_step = 0
         self._grad_anchor = torch.empty(0, device=master.device, requires_grad=True)

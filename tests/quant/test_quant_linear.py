@@ -99,6 +99,71 @@ def test_backward_saves_only_the_input_not_a_dense_weight():
     assert all(t is None for t in y2.grad_fn.next_functions[0][0].saved_tensors)
 
 
+@pytest.mark.parametrize("master", ["fp32", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_saved_input_keeps_codes_and_makes_the_weight_gradient_from_them(dtype, master):
+    from deepspeed_ppq.quant.ops import weight_dequantize, weight_quantize
+
+    fmt = "int8"
+    dense, int8 = (_layer(fmt, master=master, saved_input=s, block_size=32) for s in ("dense", "int8"))
+    torch.manual_seed(1)
+    x = torch.randn(3, 5, 70, dtype=dtype, requires_grad=True)
+    gy = torch.randn(3, 5, 45, dtype=dtype)
+    y = int8(x)
+    # what the backward keeps of the input: 1-byte codes and one fp32 scale per 32 values, not x
+    saved = [t for t in y.grad_fn.saved_tensors if t is not None]
+    assert [(t.dtype, t.numel()) for t in saved] == [(torch.int8, 1050), (torch.float32, 33)]
+    y.backward(gy)
+    xr = x.detach().clone().requires_grad_()
+    dense(xr).backward(gy)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=0)  # the input gradient needs no input
+
+    def weight_grad(layer):
+        return layer.weight_grad if master == "none" else layer.weight.grad
+
+    # the weight gradient is exactly grad_y^T x' with x' the input's int8 round trip ...
+    xq = weight_dequantize(*weight_quantize(x.detach(), "int8", 32), "int8", 32, x.shape, dtype)
+    want = gy.reshape(-1, 45).t().mm(xq.reshape(-1, 70)).float()
+    torch.testing.assert_close(weight_grad(int8), want, rtol=1e-5, atol=1e-5)
+    # ... which is within int8's rounding of the dense layer's
+    err = (weight_grad(int8) - weight_grad(dense)).norm() / weight_grad(dense).norm()
+    assert 0 < err < 0.02
+
+
+def test_int8_saved_input_shrinks_what_a_gpt_block_keeps_for_backward():
+    from deepspeed_ppq.autotune.profiler import _saved_bytes
+
+    cfg = GPTConfig(vocab_size=64, seq_len=32, d_model=256, n_heads=4, n_layers=1)
+    x = torch.randn(8, 32, 256, requires_grad=True)
+    saved = {}
+    for mode in ("dense", "int8"):
+        block = nn.Sequential(gpt_layers(cfg)[1])
+        convert_model(block, WeightsConfig(format="int8", master="none", saved_input=mode,
+                                           keep_first_blocks=0, keep_last_blocks=0))
+        saved[mode] = _saved_bytes(block, x)
+    # three of the four linear inputs (both LayerNorm outputs, the GELU output) have no other owner
+    assert saved["int8"] < 0.8 * saved["dense"]
+
+
+def test_int8_saved_input_passes_a_non_finite_input_on_to_the_weight_gradient():
+    layer = _layer("int8", saved_input="int8")
+    x = torch.randn(4, 70)
+    x[2, 5] = float("inf")
+    layer(x).sum().backward()
+    assert not layer.weight.grad.isfinite().all()  # as the dense path's: the step's check sees it
+
+
+def test_int8_saved_input_is_a_train_mode_option():
+    with pytest.raises(ValueError, match="saved_input='int8' is a train-mode option"):
+        WeightsConfig(format="nf4", mode="frozen", saved_input="int8")
+    with pytest.raises(ValueError, match="saved_input"):
+        WeightsConfig(format="int8", saved_input="int4")
+    lin = nn.Linear(8, 8)
+    lin.weight.requires_grad_(False)  # a weight the model froze keeps nothing for a weight gradient
+    layer = QuantLinear.from_linear(lin, "int8", WeightsConfig(format="int8", saved_input="int8"))
+    assert layer.saved_input == "dense"
+
+
 def test_requantize_between_forward_and_backward_is_an_error():
     layer = _layer("int8")
     y = layer(torch.randn(2, 70))
