@@ -99,6 +99,7 @@ def engine_cases(work: Path) -> dict[str, dict]:
         "fp8_tensor_mf": {"weights": {**FP8, "fp8_scale": "tensor", "master": "none"}},
         "fp8_tensor_mf_bf16": {"weights": {**FP8, "fp8_scale": "tensor", "master": "none",
                                            "grad_dtype": "bf16"}},
+        "int8_saved": {"weights": {**W0, "saved_input": "int8"}},
         "frozen": {"weights": FROZEN},
         "frozen_rank2": {"weights": {**FROZEN, "lora_rank": 2}},
         "frozen_alpha": {"weights": {**FROZEN, "lora_alpha": 64.0}},
@@ -169,6 +170,9 @@ FIELDS: dict[str, Any] = {
     "weights.master": Run("fp8_tensor_mf", "fp8", differs=("low_bit.master_free", "trainable")),
     "weights.grad_dtype": Run("fp8_tensor_mf_bf16", "fp8_tensor_mf",
                               differs=("low_bit.grad_bytes", "losses.1"), same=("losses.0",)),
+    # the first step's loss comes before any update: only the weight gradients differ
+    "weights.saved_input": Run("int8_saved", "int8", differs=("low_bit.saved_input", "losses.1"),
+                               same=("losses.0",)),
     "weights.lora_rank": Run("frozen_rank2", "frozen", differs=("low_bit.lora_rank", "trainable")),
     # B starts at zero, so the scale shows from the second step on
     "weights.lora_alpha": Run("frozen_alpha", "frozen", differs=("losses.1",),
@@ -292,6 +296,10 @@ FLAGS: dict[str, Any] = {
     "--ppq-weights-grad-dtype": Refused(["--ppq-weights-format", "int8", "--ppq-weights-master", "none",
                                          "--ppq-weights-grad-dtype", "bf16"],
                                         DEEPSPEED_ONLY.format("--ppq-weights-master none")),
+    "--ppq-weights-saved-input": Shown(
+        "tests/quant/test_quant_linear.py::test_int8_saved_input_keeps_codes_and_makes_the_weight_gradient_"
+        "from_them",
+        SHARED_LINEAR + "its forward is QuantLinear's DequantLinearFunction, which keeps the codes"),
     "--ppq-weights-lora-rank": Shown(LAYERS, SHARED_LINEAR + "adapter rank"),
     "--ppq-weights-lora-alpha": Shown(LAYERS, SHARED_LINEAR + "adapter scale"),
     "--ppq-weights-keep-first-blocks": Shown(LAYERS, "global layer numbers across stages"),

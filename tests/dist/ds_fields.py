@@ -80,6 +80,7 @@ def low_bit_layers(module) -> list:
                         "scale_dtype": str(q.scale.dtype), "double_quant": q.scale_scale is not None,
                         "fp8_scale": q.fp8_scale, "mode": m.mode, "master_free": m.master_free,
                         "grad_bytes": None if m.weight_grad is None else m.weight_grad.nbytes,
+                        "saved_input": m.saved_input,
                         "lora_rank": None if m.lora_A is None else m.lora_A.shape[0]})
     return out
 
