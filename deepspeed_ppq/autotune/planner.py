@@ -103,7 +103,8 @@ class PlanningProblem:
             the others stay in the training dtype): the best plan with low-bit weights, for reports.
         recompute_keep: with recomputation, how many of a stage's last layers may keep their
             activations instead (partial recomputation: the memory left over buys back recompute
-            time); empty: a stage recomputes all of its layers or none.
+            time); None (default): any number of them; empty: a stage recomputes all of its layers
+            or none.
         link: the point-to-point link between stages (also used for the data-parallel all-reduce).
         optimizer_s_per_param: optimizer step seconds per parameter (fp32 Adam).
         optimizer_cost_ratio: measured step cost per parameter of the other kinds relative to fp32 Adam
@@ -154,7 +155,7 @@ class PlanningProblem:
     master_free: list[bool] = field(default_factory=lambda: [False])
     master_free_grad_dtype: str = "fp32"
     allow_recompute: bool = True
-    recompute_keep: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    recompute_keep: tuple[int, ...] | None = None
     low_bit_only: bool = False
     link: LinkModel = DEFAULT_LINK
     optimizer_s_per_param: float = 0.0
@@ -215,7 +216,8 @@ class PlanningProblem:
         """``(recompute, keep_last)`` choices of a stage."""
         if not self.allow_recompute:
             return [(False, 0)]
-        return [(False, 0), (True, 0), *((True, n) for n in self.recompute_keep)]
+        keep = range(1, len(self.layers)) if self.recompute_keep is None else self.recompute_keep
+        return [(False, 0), (True, 0), *((True, n) for n in keep)]
 
     def degrees(self) -> list[int]:
         if self.pipeline_degrees is not None:

@@ -242,6 +242,24 @@ def test_leftover_memory_buys_back_recomputation():
     assert Plan.from_dict(plan.to_dict()).stages[0].keep_last == plan.stages[0].keep_last
 
 
+def test_a_stage_may_keep_any_number_of_its_last_layers():
+    """The budget between keeping 7 and 8 of a deep stage's layers gets 7 (not a coarser choice)."""
+    prob = _problem(3, 16, world_size=1, global_batch=4, micro_batch_sizes=[4], pipeline_degrees=[1])
+    prob.layers = [dataclasses.replace(layer, allowed_formats=["none"]) for layer in prob.layers]
+    k = _knobs(1, 4, 1)
+
+    def peak(keep: int) -> float:
+        return sum(evaluate_stages(prob, k, [StageChoice(0, 16, "none", True, keep)])["memory"][0].values())
+
+    peaks = [peak(n) for n in range(1, 15)]
+    assert peaks == sorted(peaks) and len(set(peaks)) == len(peaks)  # every kept layer costs memory
+    prob.memory_budget = int((peak(7) + peak(8)) / 2)
+    plan = plan_pipeline(prob)
+    assert [(s.recompute, s.keep_last) for s in plan.stages] == [(True, 7)]
+    prob.recompute_keep = (1, 2, 4, 8)  # a coarser set settles for fewer
+    assert [(s.recompute, s.keep_last) for s in plan_pipeline(prob).stages] == [(True, 4)]
+
+
 def test_low_bit_only_runs_every_stage_low_bit():
     """``low_bit_only`` (the report's "best plan with low-bit weights"): every stage at a low-bit level,
     its blocks in that format and the embedding and head in the training dtype; never faster than the
