@@ -110,7 +110,7 @@ class DequantLinearFunction(torch.autograd.Function):
         ctx.x_meta = None
         if master is None or not master.requires_grad:
             ctx.save_for_backward(None)
-        elif layer.saved_input == "int8":  # the weight gradient's input, kept as blockwise int8 codes
+        elif layer.saved_input == "int8" and x.numel():  # the weight gradient's input, as int8 codes
             ctx.x_meta = (x.shape, x.dtype)
             ctx.save_for_backward(*weight_quantize(x, "int8", layer.qweight.block_size))
         else:

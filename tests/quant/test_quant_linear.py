@@ -153,6 +153,16 @@ def test_int8_saved_input_passes_a_non_finite_input_on_to_the_weight_gradient():
     assert not layer.weight.grad.isfinite().all()  # as the dense path's: the step's check sees it
 
 
+def test_int8_saved_input_takes_an_empty_batch_and_a_strided_input():
+    dense, int8 = (_layer("int8", saved_input=s) for s in ("dense", "int8"))
+    for x in (torch.randn(0, 70), torch.randn(70, 5).t()):  # no tokens (an idle expert), a transpose
+        for layer in (dense, int8):
+            layer.zero_grad()
+            layer(x.clone().requires_grad_()).sum().backward()
+        err = (int8.weight.grad - dense.weight.grad).norm() / dense.weight.grad.norm().clamp_min(1e-30)
+        assert float(err) < 0.02
+
+
 def test_int8_saved_input_is_a_train_mode_option():
     with pytest.raises(ValueError, match="saved_input='int8' is a train-mode option"):
         WeightsConfig(format="nf4", mode="frozen", saved_input="int8")
