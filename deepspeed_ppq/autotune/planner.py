@@ -469,11 +469,10 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
             sum(layer.static_bytes(f, optimizer_8bit, master_free, grad_bytes).values())
             for layer, f in zip(layers, fmts)
         ]
+        stat = _seg(_prefix(stat))
         if bucket:  # stage_memory's bucket: no larger than the segment's master-free gradients
             q = _prefix([layer.quantizable_params if f != "none" else 0 for layer, f in zip(layers, fmts)])
-            stat = _seg(_prefix(stat)) + np.minimum(bucket, prob.master_free_grad_bytes * _seg(q))
-        else:
-            stat = _seg(_prefix(stat))
+            stat = stat + np.minimum(bucket, prob.master_free_grad_bytes * _seg(q))
         saved = np.array([layer.saved_bytes[f] * b for layer, f in zip(layers, fmts)], dtype=float)
         tr = {r: np.array([layer.transient_bytes(f, r, b) for layer, f in zip(layers, fmts)], dtype=float)
               for r in (False, True)}

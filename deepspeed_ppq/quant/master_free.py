@@ -190,12 +190,16 @@ class GradBucket:
         """Average every layer's gradient over ``group``: each flat buffer in one call, the layers outside
         them one by one."""
         for flat in self.flats:
-            dist.all_reduce(flat, group=group)
-            flat.div_(world_size)
+            _all_reduce_mean(flat, group, world_size)
         for m in self.layers:
             if m.weight_grad is not None and id(m) not in self._views:
-                dist.all_reduce(m.weight_grad, group=group)
-                m.weight_grad.div_(world_size)
+                _all_reduce_mean(m.weight_grad, group, world_size)
+
+
+def _all_reduce_mean(t: torch.Tensor, group, world_size: int) -> None:
+    """Average ``t`` over ``group`` in place."""
+    dist.all_reduce(t, group=group)
+    t.div_(world_size)
 
 
 def zero_master_free_grads(model_or_layers) -> None:
@@ -344,17 +348,13 @@ class _BackwardBucket:
         self.pending: list[tuple] = []
         self.used = 0
 
-    def _reduce(self, g: torch.Tensor) -> None:
-        dist.all_reduce(g, group=self.group)
-        g.div_(self.world_size)
-
     def add(self, layer, g: torch.Tensor) -> None:
         n = g.numel()
         if self.used + n > self.capacity or (self.flat is not None and self.flat.dtype != g.dtype):
             self.flush()
         if n > self.capacity:
-            self._reduce(g)
-            self._step([(layer, g)])
+            _all_reduce_mean(g, self.group, self.world_size)
+            _step_on(self.step, [(layer, g)])
             return
         if self.flat is None or self.flat.dtype != g.dtype:
             self.flat = torch.empty(self.capacity, dtype=g.dtype, device=g.device)
@@ -365,12 +365,9 @@ class _BackwardBucket:
 
     def flush(self) -> None:
         if self.pending:
-            self._reduce(self.flat[: self.used])
-            self._step(self.pending)
+            _all_reduce_mean(self.flat[: self.used], self.group, self.world_size)
+            _step_on(self.step, self.pending)
         self.pending, self.used = [], 0
-
-    def _step(self, items) -> None:
-        _step_on(self.step, items)
 
 
 def _step_on(step, items) -> None:
@@ -451,6 +448,7 @@ def attach_master_free(optimizer, model: nn.Module, *, max_grad_norm: float | No
 
     bucket = GradBucket(layers)
     total = sum(m.qweight.qdata.numel() for m in layers)
+
     def step_now(ls):  # layers updated in the backward: no clipping
         _step_with(opt, ls, 1.0)
 
