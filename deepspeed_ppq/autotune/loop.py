@@ -265,8 +265,11 @@ class _Tuning:
         self.runner.log(msg)
 
     def stamp(self, plan: Plan) -> None:
-        """What a plan records of the model and the machine it was made on."""
+        """What a plan records of the model and the machine it was made on, and the user's budget: the
+        planner's own budget may be wider (a memory probe) or held back (after a plan measured over it),
+        but the plan is made for, and measured against, the budget the user set."""
         plan.model_fingerprint = self.fingerprint
+        plan.memory_budget = self.settings.memory_budget
         plan.threads_per_rank = self.profile.threads_per_rank
 
     def problem(self) -> PlanningProblem:

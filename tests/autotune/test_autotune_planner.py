@@ -1030,6 +1030,7 @@ def test_memory_probe_measures_a_plan_predicted_just_over_the_budget():
         plan, _ = _memory_probe(t, prob, (accepted, run), gate, iterations)
         assert len(measured) == 1 and same_configuration(measured[0], free)
         assert (plan is measured[0]) == replaced and iterations[-1]["memory_probe"]
+        assert plan.memory_budget == budget  # the user's budget, not the wider one it was planned at
         assert iterations[0]["accepted"] != replaced and iterations[-1]["accepted"] == replaced
         assert t.log[-1].startswith("memory probe (predicted over the budget)")
     t, measured = tuning(0.5 * budget, 0.150)  # the unconstrained plan accepted: nothing faster to probe
@@ -1072,6 +1073,7 @@ def test_a_hold_back_that_leaves_no_plan_plans_at_the_smallest():
     assert len(measured) == 2 and iterations[0]["over_budget"] and not iterations[1]["over_budget"]
     assert measured[1][1] == math.ceil(need) and accepted[0] is measured[1][0]
     assert max(st.peak_memory for st in accepted[0].stages) <= math.ceil(need)
+    assert accepted[0].memory_budget == budget  # the user's budget, not the one held back
     assert any("leaves no plan; planning at the smallest the model has" in line for line in t.log)
 
 
