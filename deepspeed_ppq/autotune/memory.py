@@ -139,6 +139,16 @@ class StageMemTracker(MemTracker):
                 obj.register_step_pre_hook(lambda *_: setattr(self, "_in_opt", True))
                 obj.register_step_post_hook(lambda opt, *_: self._leave_step(opt))
 
+    def track_tensors(self, category: str, tensors) -> None:
+        """Count ``tensors`` (made before the tracker started) as ``category`` (``"parameters"``,
+        ``"gradients"`` or ``"optimizer"``): a mixed-precision optimizer wrapper's fp32 master weights and
+        gradient buffers, which the tracker would otherwise count as "Other" (activations)."""
+        refs = {"parameters": _MemRefType.PARAM, "gradients": _MemRefType.GRAD, "optimizer": _OPT}
+        if category not in refs:
+            raise ValueError(f"category={category!r} is not allowed: use one of {sorted(refs)}")
+        for t in tensors:
+            self._update_and_maybe_create_winfos(t, refs[category])
+
     def _leave_step(self, optimizer) -> None:
         if self._depth:
             self._track_optimizer_states(_OPT, optimizer)

@@ -275,6 +275,8 @@ class DeepSpeedRunner:
             # memory: two more steps under the tracker (it slows every op, so it times nothing), its peak
             # kept apart for the pipeline (forward, backward, sends) and the step (reduce, optimizer)
             tracker.track_external(module, optimizer, *_engine_tensors(engine))
+            for category, tensors in _wrapper_tensors(engine.optimizer).items():
+                tracker.track_tensors(category, tensors)
             with tracker:
                 for k in range(n, n + 2):
                     step(k)
@@ -330,6 +332,21 @@ def _engine_tensors(engine) -> list[torch.Tensor]:
                 if isinstance(x, torch.Tensor):
                     out.append(x)
     return out
+
+
+# DeepSpeed's bf16 mode (``"bf16": {"enabled": true}``) wraps the client optimizer in BF16_Optimizer,
+# which allocates, when the engine is built, flat buffers of its own: fp32 master weights (the inner
+# optimizer's parameters) and fp32 gradients accumulated over the micro-batches. Attribute -> category.
+_BF16_OPTIMIZER_BUFFERS = {"fp32_groups_flat_partition": "parameters",
+                           "fp32_groups_gradients_flat": "gradients"}
+
+
+def _wrapper_tensors(optimizer) -> dict[str, list[torch.Tensor]]:
+    """A mixed-precision optimizer wrapper's own long-lived buffers, by memory category (empty for a
+    plain optimizer). Handed to nothing, the tracker counts them as activations, and the memory model
+    then fits the bf16 mode's masters and gradient buffer as activations per micro-batch."""
+    return {cat: [t for t in getattr(optimizer, name, None) or [] if isinstance(t, torch.Tensor)]
+            for name, cat in _BF16_OPTIMIZER_BUFFERS.items() if getattr(optimizer, name, None)}
 
 
 # ----------------------------------------------------------------------------------------------

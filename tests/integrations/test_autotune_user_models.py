@@ -8,6 +8,7 @@ plan's partition and batch sizes and stays within the budget on its measured pea
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,23 @@ def test_every_plan_is_validated_on_the_same_samples():
     losses = list(r0["losses"].values())
     assert r0["losses"] == r1["losses"]
     assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), r0["losses"]
+
+
+@pytest.mark.distributed
+def test_a_bf16_trial_measures_the_bf16_optimizer_buffers():
+    """DeepSpeed's bf16 mode keeps bf16 weights (2 B per parameter) and, in its BF16_Optimizer, an fp32
+    gradient buffer (4 B) and fp32 master weights and Adam states partitioned over the data-parallel
+    replicas (4 B and 8 B, halved on 2), all allocated before a trial's memory tracker starts. The
+    measured peak puts them in their categories: without the runner's hand-over the tracker counted
+    the masters and the gradient buffer as activations, which then measured more than fp32's (their
+    total was the same), and the memory model's activation fit absorbed them
+    (tests/dist/tune_bf16_memory.py)."""
+    r0, r1 = run_ranks(ROOT / "tests" / "dist" / "tune_bf16_memory.py", 2, timeout=600)
+    n = r0["params"]
+    fp32, bf16 = r0["fp32"]["memory"], r0["bf16"]["memory"]
+    assert fp32["parameters"] >= 4 * n and fp32["optimizer"] >= 8 * n
+    assert bf16["parameters"] >= 2 * n + 4 * n // 2  # bf16 weights + this replica's fp32 masters
+    assert bf16["gradients"] >= 4 * n  # the fp32 gradient buffer
+    assert bf16["optimizer"] >= 8 * n // 2  # this replica's Adam states
+    assert bf16["activations"] < fp32["activations"]  # bf16 activations, nothing else
+    assert all(math.isfinite(r["val_loss"]) for r in (r0["fp32"], r0["bf16"], r1["fp32"], r1["bf16"]))
