@@ -42,16 +42,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path[:0] = [str(ROOT / "examples" / "demo"), str(ROOT / "examples")]  # workloads, stdlib_text
 
 from _harness import RESULTS, loadavg, machine, machine_line, write_report  # noqa: E402
-from workloads import SCRIPT, ds_config, script_args, settings  # noqa: E402
+from workloads import PRECISIONS, SCRIPT, choose_precision, ds_config, script_args, settings  # noqa: E402
 
 from deepspeed_ppq.autotune.ladder import left_out_lines, measured_bubble, stage_compute  # noqa: E402
 from deepspeed_ppq.autotune.plan import Plan  # noqa: E402
 
 
-def _tune(w, budget_mb: float, out: Path, model: list[str], autotune: dict) -> dict:
-    """One ``ppq tune`` run; its ``tune.json`` (or ``{"error": ...}``)."""
+def _tune(w, budget_mb: float, out: Path, model: list[str], autotune: dict, precision: str) -> dict:
+    """One ``ppq tune`` run in ``precision``; its ``tune.json`` (or ``{"error": ...}``)."""
     out.mkdir(parents=True, exist_ok=True)
-    cfg = ds_config(out, w, budget_mb, autotune=autotune)
+    cfg = ds_config(out, w, budget_mb, autotune=autotune, precision=precision)
     cmd = [sys.executable, "-m", "deepspeed_ppq.cli", "tune", str(SCRIPT), "--deepspeed_config", str(cfg),
            *model, "--out", str(out / "tune")]
     t0 = time.perf_counter()
@@ -180,13 +180,24 @@ def _other_flags(argv: list[str]) -> str:
     return "".join(f" {a}" for a in out)
 
 
+def _precision_line(precision: dict) -> str:
+    """What the precision both sides train in is and how it was chosen."""
+    times = precision.get("probe_s") or {}
+    how = ("the faster of " + " and ".join(f"{k} ({v * 1e3:.1f} ms per step)" for k, v in times.items())
+           + " in the stock timing run (workloads.choose_precision)") if times else "set by --precision"
+    mode = "DeepSpeed's bf16 mode" if precision["chosen"] == "bf16" else "fp32"
+    return f"Training precision, both sides: **{precision['chosen']}** ({mode}; {how})."
+
+
 def _markdown(w, m: dict, ladder: dict | None, rows: list[dict], budget_ref: float, end_load: str,
-              flags: str = "") -> str:
+              flags: str = "", precision: dict | None = None) -> str:
     md = [f"# The method on {w.title}", "", machine_line(m) + f"; load at the end {end_load}", "",
           f"Workload `{w.name}` (examples/demo/workloads.py): `examples/train_gpt_pipe.py "
           f"{' '.join(w.model)}`{' --finetune <pretrained base>' if w.pretrain_steps else ''}, 2 ranks, "
           f"global batch 16, the tuner choosing 1 or 2 pipeline stages. Run: `.venv/bin/python "
           f"benchmarks/autotune/bench_tune.py --workloads {w.name}{flags}`.", ""]
+    if precision is not None:
+        md += [_precision_line(precision), ""]
     if ladder is not None:
         if "error" in ladder:
             md += [f"## The ladder at {budget_ref:g} MiB per stage", "", f"failed: {ladder['error']}", ""]
@@ -311,6 +322,8 @@ def main() -> int:
     p.add_argument("--no-ladder", action="store_true")
     p.add_argument("--quick", action="store_true", help="the workloads' quick settings (a smoke run)")
     p.add_argument("--tag", default="", help="results as autotune_<workload>_<tag>.* (beside the sweep)")
+    p.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto",
+                   help="the training precision of both sides (auto: the faster stock run here)")
     args = p.parse_args()
     for name in args.workloads.split(","):
         w = settings(name, args.quick)
@@ -318,14 +331,21 @@ def main() -> int:
         budgets = [float(b) for b in args.budgets.split(",")] if args.budgets else []
         with tempfile.TemporaryDirectory(prefix=f"ppq-bench-{name}-") as tmp:
             model = script_args(w, Path(tmp) / "pretrain.log")
+            if args.precision == "auto":
+                chosen, probe = choose_precision(w, model, Path(tmp))
+                precision = {"chosen": chosen, "probe_s": probe}
+            else:
+                precision = {"chosen": args.precision}
+            print(json.dumps({"precision": precision}), flush=True)
             ladder = None
             if not args.no_ladder:
-                ladder = _tune(w, w.budget_mb, Path(tmp) / "ladder", model, {"ladder": True})
+                ladder = _tune(w, w.budget_mb, Path(tmp) / "ladder", model, {"ladder": True},
+                               precision["chosen"])
                 print(json.dumps({"ladder": ladder_rows(ladder) if "error" not in ladder else ladder}),
                       flush=True)
             # the fastest stock configuration with no budget: what "must compromise" is measured against
             free = _tune(w, 1 << 20, Path(tmp) / "free", model, {"ladder": False, "seeds": 1, "ab_repeats": 0,
-                                                              "max_iterations": 1})
+                                                              "max_iterations": 1}, precision["chosen"])
             unconstrained = free["baseline"]["plan"] if "error" not in free else None
             ladder_ok = ladder is not None and "error" not in ladder
             if not budgets and unconstrained is not None:
@@ -339,7 +359,8 @@ def main() -> int:
             auto = not args.budgets
             for b in list(budgets):
                 reuse = ladder_ok and b == w.budget_mb  # the ladder's tune is this budget's
-                r = ladder if reuse else _tune(w, b, Path(tmp) / f"b{b:g}", model, {"ladder": False})
+                r = ladder if reuse else _tune(w, b, Path(tmp) / f"b{b:g}", model, {"ladder": False},
+                                                precision["chosen"])
                 rows.append(sweep_row(b, r, unconstrained))
                 print(json.dumps(rows[-1]), flush=True)
                 # the sweep goes down to where only the smallest stock configuration fits (micro-batch 1
@@ -348,15 +369,16 @@ def main() -> int:
                 floor = floor_budget(r) if auto and b == min(budgets) else None
                 if floor is not None and floor < b:
                     budgets.append(floor)
-                    rf = _tune(w, floor, Path(tmp) / f"b{floor:g}", model, {"ladder": False})
+                    rf = _tune(w, floor, Path(tmp) / f"b{floor:g}", model, {"ladder": False},
+                               precision["chosen"])
                     rows.append({**sweep_row(floor, rf, unconstrained), "floor": True})
                     print(json.dumps(rows[-1]), flush=True)
-        md = _markdown(w, m, ladder, rows, w.budget_mb, loadavg(), _other_flags(sys.argv[1:]))
+        md = _markdown(w, m, ladder, rows, w.budget_mb, loadavg(), _other_flags(sys.argv[1:]), precision)
         if unconstrained is not None:
             md += unconstrained_lines(unconstrained, rows)
         stem = f"autotune_{name}" + (f"_{args.tag}" if args.tag else "")
         write_report(stem, {
-            "machine": m, "workload": name,
+            "machine": m, "workload": name, "precision": precision,
             "ladder": ladder_rows(ladder) if ladder and "error" not in ladder else ladder,
             "ladder_log": (ladder or {}).get("log"), "sweep": rows, "unconstrained_stock": unconstrained}, md)
         if any("speedup" in x or "tuned_ms" in x for x in rows):

@@ -3,6 +3,8 @@ DeepSpeed configuration, on a workload where weight memory binds (``workloads.py
 
 The demo is the user's flow, nothing more:
 
+0. the training precision a DeepSpeed user would pick here: fp32 or DeepSpeed's bf16 mode, whichever
+   trains faster on this machine (``workloads.choose_precision``); both sides train in it;
 1. ``ppq tune examples/train_gpt_pipe.py --deepspeed_config <config>``: the unmodified training script
    hands its model to the tuner, which profiles it, measures the best stock configuration a DeepSpeed
    user could set under the per-stage memory budget (its seed noise too), plans low-bit weights and
@@ -12,7 +14,7 @@ The demo is the user's flow, nothing more:
 
 The report (``<out>/tune/report.md``) opens with the ladder; ``<out>/ladder.png`` draws it.
 Options: ``--workload`` (``finetune``, the default, or ``pretrain``), ``--quick`` (a smaller model and
-shorter trials, for the test), ``--budget-mb``, ``--out``.
+shorter trials, for the test), ``--budget-mb``, ``--out``, ``--precision`` (``auto``, ``fp32``, ``bf16``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # workloads; examples/ (stdlib_text)
 
-from workloads import ROOT, SCRIPT, WORKLOADS, ds_config, script_args, settings  # noqa: E402
+from workloads import (  # noqa: E402
+    PRECISIONS,
+    ROOT,
+    SCRIPT,
+    WORKLOADS,
+    choose_precision,
+    ds_config,
+    free_port,
+    script_args,
+    settings,
+)
 
 
 def _run(cmd: list[str], log: Path) -> None:
@@ -46,14 +58,6 @@ def _run(cmd: list[str], log: Path) -> None:
         proc.wait()
     if proc.returncode:
         raise SystemExit(f"failed (exit {proc.returncode}); its output is in {log}:\n{''.join(tail)}")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _plot(result: dict, path: Path) -> None:
@@ -87,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a smaller model and shorter trials (the test)")
     p.add_argument("--budget-mb", type=float, help="per-stage memory budget in MiB (default: the workload's)")
     p.add_argument("--out", default="demo_out", help="output folder")
+    p.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto",
+                   help="the training precision of both sides (auto: the faster stock run here)")
     args = p.parse_args(argv)
     w = settings(args.workload, args.quick)
     budget = args.budget_mb or w.budget_mb
@@ -94,13 +100,18 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     model = script_args(w, out / "pretrain.log")
-    cfg = ds_config(out, w, budget)
+    precision = args.precision
+    if precision == "auto":
+        precision, probe = choose_precision(w, model, out)
+        print(f"precision: {precision} (the faster stock run on this machine: "
+              + ", ".join(f"{k} {v * 1e3:.1f} ms per step" for k, v in probe.items()) + ")", flush=True)
+    cfg = ds_config(out, w, budget, precision=precision)
     _run([sys.executable, "-m", "deepspeed_ppq.cli", "tune", str(SCRIPT), "--deepspeed_config", str(cfg),
           *model, "--out", str(out / "tune")], out / "tune.log")
     result = json.loads((out / "tune" / "tune.json").read_text())
-    plan_cfg = ds_config(out, w, budget, plan_file=str(out / "tune" / "plan.json"))
+    plan_cfg = ds_config(out, w, budget, plan_file=str(out / "tune" / "plan.json"), precision=precision)
     _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-          str(_free_port()), str(SCRIPT), "--deepspeed_config", str(plan_cfg), *model, "--steps",
+          str(free_port()), str(SCRIPT), "--deepspeed_config", str(plan_cfg), *model, "--steps",
           str(w.train_steps)], out / "train.log")
     if result.get("ladder"):
         _plot(result, out / "ladder.png")

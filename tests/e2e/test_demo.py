@@ -48,14 +48,14 @@ def test_quick_demo_end_to_end(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_budget_below_every_stock_configuration(tmp_path):
-    """At 5.9 MiB per stage (6.2 with the tolerance) no stock configuration of the quick workload fits
+    """At 5.9 MiB per stage (6.2 with the tolerance) no stock configuration of the quick workload in fp32 fits
     (the smallest, micro-batch 1 with recomputation and 8-bit Adam, measures ~6.5 MiB) while its
     low-bit plan does (~5.8 MiB): the tuner says stock DeepSpeed cannot train there,
     gates the plan against the smallest stock configuration run over the budget, and the user's run
     trains with the plan."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, str(ROOT / "examples" / "demo" / "run_demo.py"), "--quick",
-                          "--budget-mb", "5.9", "--out", str(tmp_path)],
+                          "--budget-mb", "5.9", "--precision", "fp32", "--out", str(tmp_path)],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     result = json.loads((tmp_path / "tune" / "tune.json").read_text())
