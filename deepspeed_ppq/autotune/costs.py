@@ -14,6 +14,10 @@ Memory accounting per parameter (what a stage keeps; see ``layer_static_bytes``)
     (bitsandbytes blockwise, 256 values per fp32 absmax) 2 B + 2 x 4 B per 256 values, except tensors
     below 4096 elements, which keep fp32 states. The two 8-bit code maps the optimizer shares (2 KiB in
     all, per stage) are left out. This mirrors ``quant.optim.optimizer_state_bytes``.
+In DeepSpeed's bf16 mode (``static_bytes(..., bf16_replicas=dp)``) the weights are bf16 (the profile
+is measured in bf16) and the engine's optimizer wrapper (BF16_Optimizer) adds, for the parameters it
+steps (``engine_params``), fp32 master weights and the optimizer states partitioned over the ``dp``
+data-parallel replicas, and keeps an fp32 gradient buffer of them whole (the 4 B above).
 """
 
 from __future__ import annotations
@@ -134,20 +138,31 @@ class LayerProfile:
         return f, bi, bw
 
     def static_bytes(self, fmt: str, optimizer_8bit: bool, master_free: bool = False,
-                     master_free_grad_bytes: int = 4) -> dict[str, int]:
+                     master_free_grad_bytes: int = 4, bf16_replicas: int = 0) -> dict[str, int]:
         """Bytes this layer keeps regardless of micro-batches, by category.
 
         ``master_free``: low-bit weights keep only their codes (``weights.master="none"``, 8-bit
         formats): no fp32 master; the weight gradient (a buffer of ``master_free_grad_bytes`` per value:
-        4 fp32, 2 bf16) and the optimizer states stay."""
+        4 fp32, 2 bf16) and the optimizer states stay. ``bf16_replicas``: DeepSpeed's bf16 mode on that
+        many data-parallel replicas (0: not bf16 mode): the engine's parameters get fp32 masters, and
+        their optimizer states are partitioned (see the module docstring); a low-bit layer's own master
+        is a bf16 parameter there (2 B)."""
         if master_free and fmt not in ("none", *MASTER_FREE_FORMATS):
             raise ValueError(f"format {fmt!r} cannot be master-free: use one of {MASTER_FREE_FORMATS}")
         q = self.quantizable_params if fmt != "none" else 0
+        opt = optimizer_bytes(self.param_numels, optimizer_8bit)
+        master = (4 if not bf16_replicas else 2) * q if not master_free else 0
+        if bf16_replicas:
+            engine = self.engine_params(fmt, master_free)
+            master += -(-4 * engine // bf16_replicas)
+            # the engine's share of the states, partitioned; a master-free weight's own stay whole
+            engine_opt = opt * engine // max(1, self.params)
+            opt = opt - engine_opt + -(-engine_opt // bf16_replicas)
         return {
             "weights": self.weight_bytes[fmt],
-            "master_weights": 4 * q if not master_free else 0,
+            "master_weights": master,
             "gradients": 4 * self.params - (4 - master_free_grad_bytes) * (q if master_free else 0),
-            "optimizer": optimizer_bytes(self.param_numels, optimizer_8bit),
+            "optimizer": opt,
         }
 
     def engine_params(self, fmt: str, master_free: bool = False) -> int:

@@ -136,6 +136,7 @@ def build_problem(settings, world_size: int, global_batch: int, profile: Profile
         step_transient_bytes_per_param=profile.step_transient_bytes_per_param,
         grads_freed_after_step=profile.grads_freed_after_step,
         master_free_update_in_backward=profile.master_free_update_in_backward,
+        bf16_mode=profile.bf16_mode,
     )
 
 

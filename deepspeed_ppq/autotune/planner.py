@@ -136,6 +136,9 @@ class PlanningProblem:
             loss scaling): such plans hold no master-free gradient buffer, a workspace of the gradient's
             dtype and, with replicas, the bucket gradients wait in for their all-reduce
             (``master_free_gradient_bytes``).
+        bf16_mode: the engine trains in DeepSpeed's bf16 mode (the profile is measured in bf16): its
+            optimizer wrapper keeps fp32 masters and partitions them and the optimizer states over the
+            data-parallel replicas (``LayerProfile.static_bytes``' ``bf16_replicas``).
         activation_extra_bytes: per micro-batch size measured, the bytes a stage holds in the pipeline
             phase beyond its profiled activations and pipe buffers (the engine keeps copies of received
             activations, outputs until they are sent, ...): the largest over the stages measured, added
@@ -166,6 +169,12 @@ class PlanningProblem:
     activation_extra_bytes: dict[int, float] = field(default_factory=dict)
     grads_freed_after_step: bool = False
     master_free_update_in_backward: bool = False
+    bf16_mode: bool = False
+
+    def bf16_replicas(self, k: Knobs) -> int:
+        """``LayerProfile.static_bytes``' ``bf16_replicas`` for knobs ``k``: the data-parallel replicas in
+        bf16 mode, 0 otherwise."""
+        return self.world_size // k.pipeline_degree if self.bf16_mode else 0
 
     def activation_extra_for(self, micro_batch_size: int) -> float:
         """The bytes a stage holds beyond the profile at a micro-batch size: those measured there, else
@@ -308,7 +317,7 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
         grad_bytes, grad_ws, bucket = prob.master_free_gradient_bytes(k.num_microbatches, dp)
     for layer in layers:
         for cat, v in layer.static_bytes(layer.format_for(c.level), k.optimizer_8bit, k.master_free,
-                                          grad_bytes).items():
+                                          grad_bytes, prob.bf16_replicas(k)).items():
             mem[cat] += v
     # the low-bit layers share one dequantization buffer: the largest of theirs (and one of the
     # gradient's dtype beside it, for a gradient made in the backward)
@@ -436,12 +445,13 @@ def stage_levels(prob: PlanningProblem, k: Knobs) -> list[str]:
 
 
 def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_free: bool = False,
-                   grad_bytes: tuple[int, float, int] | None = None) -> tuple:
+                   grad_bytes: tuple[int, float, int] | None = None, bf16_replicas: int = 0) -> tuple:
     """Per stage option (level, recompute, keep_last): compute time, static bytes, activation bytes per
     in-flight micro-batch and transient bytes of every segment. Independent of codecs and schedule, and
     of the pipeline degree but through the master-free gradient bytes (``grad_bytes``:
-    ``PlanningProblem.master_free_gradient_bytes``, default the buffer's), so ``plan_pipeline`` caches it
-    per (micro-batch size, optimizer, master-free, gradient bytes)."""
+    ``PlanningProblem.master_free_gradient_bytes``, default the buffer's) and the bf16 mode's replicas
+    (``PlanningProblem.bf16_replicas``), so ``plan_pipeline`` caches it per (micro-batch size,
+    optimizer, master-free, gradient bytes, bf16 replicas)."""
     grad_bytes, grad_ws, bucket = grad_bytes or (prob.master_free_grad_bytes, 0.0, 0)
     layers, L = prob.layers, len(prob.layers)
     N = L + 1
@@ -466,7 +476,7 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
         fmts = [layer.format_for(level) for layer in layers]
         tm = np.array([layer.time(f, b) for layer, f in zip(layers, fmts)])
         stat = [
-            sum(layer.static_bytes(f, optimizer_8bit, master_free, grad_bytes).values())
+            sum(layer.static_bytes(f, optimizer_8bit, master_free, grad_bytes, bf16_replicas).values())
             for layer, f in zip(layers, fmts)
         ]
         stat = _seg(_prefix(stat))
@@ -526,9 +536,9 @@ def _segment_tables(prob: PlanningProblem, k: Knobs, cache: dict | None = None) 
     N, p = L + 1, k.pipeline_degree
     grad_bytes = (prob.master_free_gradient_bytes(k.num_microbatches, _data_parallel(prob, k))
                   if k.master_free else None)
-    key = (b, k.optimizer_8bit, k.master_free, grad_bytes)
+    key = (b, k.optimizer_8bit, k.master_free, grad_bytes, prob.bf16_replicas(k))
     if cache is None or key not in cache:
-        tabs = _option_tables(prob, b, k.optimizer_8bit, k.master_free, grad_bytes)
+        tabs = _option_tables(prob, b, k.optimizer_8bit, k.master_free, grad_bytes, prob.bf16_replicas(k))
         if cache is not None:
             cache[key] = tabs
     else:

@@ -215,6 +215,7 @@ def profile_layers(
     reps: int = 5,
     warmup: int = 2,
     device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> list[LayerProfile]:
     """Profile every layer in every format the policy allows (see the module docstring).
 
@@ -229,6 +230,9 @@ def profile_layers(
         micro_batch_sizes: sizes to time at (the planner interpolates between them).
         reps, warmup: timed and untimed repetitions; the median is kept.
         device: where to measure (default: CUDA if available, else CPU).
+        dtype: the training dtype the layers run in (``torch.bfloat16`` for DeepSpeed's bf16 mode):
+            their floating-point weights and inputs are cast to it, so times, saved activations and
+            weight bytes are the bf16 engine's.
 
     Returns:
         One ``LayerProfile`` per layer.
@@ -255,6 +259,8 @@ def profile_layers(
     for b in micro_batch_sizes:
         x, labels = make_batch(b)
         x, labels = x.to(device), labels.to(device)
+        if x.is_floating_point():
+            x = x.to(dtype)
         for i, layer in enumerate(layers):
             last = i == len(layers) - 1
             y_next = None
@@ -264,7 +270,7 @@ def profile_layers(
                 else:
                     mod, nq, err = _convert(layer, i, decisions[fmt], weights_cfg)
                     per_layer[i]["nq"] = max(per_layer[i]["nq"], nq)
-                mod = mod.to(device)
+                mod = mod.to(device=device, dtype=dtype)
                 t, y = _layer_times(mod, x, loss_fn if last else None, labels, device, reps, warmup)
                 rec = per_layer[i]
                 rec["times"].setdefault(fmt, {})[b] = t

@@ -47,6 +47,8 @@ class Profile:
             (``PlanningProblem.grads_freed_after_step``).
         master_free_update_in_backward: the engine updates master-free weights in their backward at
             one micro-batch per step (``PlanningProblem.master_free_update_in_backward``).
+        bf16_mode: the engine trains in DeepSpeed's bf16 mode; the layers were profiled in bf16
+            (``PlanningProblem.bf16_mode``).
     """
 
     layers: list[LayerProfile]
@@ -57,6 +59,7 @@ class Profile:
     threads_per_rank: int | None = None
     grads_freed_after_step: bool = False
     master_free_update_in_backward: bool = False
+    bf16_mode: bool = False
 
     def to_dict(self) -> dict:
         return {
@@ -68,6 +71,7 @@ class Profile:
             "threads_per_rank": self.threads_per_rank,
             "grads_freed_after_step": self.grads_freed_after_step,
             "master_free_update_in_backward": self.master_free_update_in_backward,
+            "bf16_mode": self.bf16_mode,
         }
 
     @classmethod
@@ -83,6 +87,7 @@ class Profile:
             threads_per_rank=d.get("threads_per_rank"),
             grads_freed_after_step=bool(d.get("grads_freed_after_step", False)),
             master_free_update_in_backward=bool(d.get("master_free_update_in_backward", False)),
+            bf16_mode=bool(d.get("bf16_mode", False)),
         )
 
 

@@ -66,6 +66,11 @@ def _grads_freed_after_step(ds_config: dict) -> bool:
     return not mixed and not (ds_config.get("zero_optimization") or {}).get("stage", 0)
 
 
+def _bf16_mode(ds_config: dict) -> bool:
+    """Whether ``ds_config`` turns on DeepSpeed's bf16 mode (bf16 weights and compute, BF16_Optimizer)."""
+    return bool((ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled"))
+
+
 def _master_free_updates_in_backward(ds_config: dict) -> bool:
     """Whether the engine a plan of one micro-batch per step builds from ``ds_config`` updates its
     master-free weights in their backward (``quant.master_free.updates_in_backward``)."""
@@ -160,9 +165,10 @@ class DeepSpeedRunner:
         if self.rank == 0:
             layers = build_layers(self.specs)
             grad_dtype = settings.master_free_grad_dtype
+            bf16 = _bf16_mode(self.ds_config)
             key = profiler.profile_key(layers, mbs=timed, formats=fmts, reps=settings.profile_reps,
                                        weights=self.weights.model_dump(mode="json"), codecs=sorted(codecs),
-                                       master_free_grad_dtype=grad_dtype)
+                                       master_free_grad_dtype=grad_dtype, bf16_mode=bf16)
             cached = profiler.load_cached(settings.profile_cache, key) if settings.profile_cache else None
             if cached is not None:
                 try:
@@ -177,10 +183,11 @@ class DeepSpeedRunner:
                 def make_batch(b):
                     return _stack([self.train_data[i][:2] for i in range(b)])
 
+                dtype = torch.bfloat16 if bf16 else torch.float32
                 lprof = profiler.profile_layers(layers, self.kinds, make_batch, self.loss_fn, self.weights,
-                                                fmts, timed, reps=settings.profile_reps)
+                                                fmts, timed, reps=settings.profile_reps, dtype=dtype)
                 boundary = max(lprof[:-1], key=lambda lp: lp.output_bytes) if len(lprof) > 1 else lprof[0]
-                shape = (mbs[-1], max(1, boundary.output_bytes // 4))
+                shape = (mbs[-1], max(1, boundary.output_bytes // dtype.itemsize))
                 prof = Profile(layers=lprof, codecs=profiler.profile_codecs(list(codecs.values()), shape),
                                link=profiler.DEFAULT_LINK,
                                optimizer_costs=profiler.optimizer_costs(grad_dtype=grad_dtype),
@@ -195,6 +202,7 @@ class DeepSpeedRunner:
         prof.threads_per_rank = torch.get_num_threads()
         prof.grads_freed_after_step = _grads_freed_after_step(self.ds_config)
         prof.master_free_update_in_backward = _master_free_updates_in_backward(self.ds_config)
+        prof.bf16_mode = _bf16_mode(self.ds_config)
         return prof
 
     # ----- a trial ----------------------------------------------------------------------------------

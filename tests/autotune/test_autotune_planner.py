@@ -612,12 +612,37 @@ def test_step_transient_counts_the_parameters_the_engine_steps():
     assert sum(layer.engine_params("int8", True) for layer in prob.layers) == params - q
 
 
+def test_bf16_mode_partitions_masters_and_states_over_the_replicas():
+    """DeepSpeed's bf16 mode (BF16_Optimizer) keeps fp32 masters of the parameters it steps and their
+    optimizer states partitioned over the data-parallel replicas, and an fp32 gradient buffer whole; a
+    master-free weight keeps its own gradient buffer and states, and a low-bit layer's own master is a
+    bf16 parameter there."""
+    from deepspeed_ppq.autotune.costs import optimizer_bytes
+
+    layer = _problem(1, 3, world_size=1, global_batch=4).layers[1]
+    P, q = layer.params, layer.quantizable_params
+    assert 0 < q < P
+    opt = optimizer_bytes(layer.param_numels, False)
+    plain = layer.static_bytes("none", False)
+    for dp in (1, 2, 4):
+        bf = layer.static_bytes("none", False, bf16_replicas=dp)
+        assert bf["master_weights"] == -(-4 * P // dp) and bf["gradients"] == plain["gradients"] == 4 * P
+        assert bf["optimizer"] == -(-opt // dp)
+        free = layer.static_bytes("int8", False, master_free=True, master_free_grad_bytes=2, bf16_replicas=dp)
+        engine_opt = opt * (P - q) // P
+        assert free["master_weights"] == -(-4 * (P - q) // dp)
+        assert free["optimizer"] == opt - engine_opt + -(-engine_opt // dp)
+        assert free["gradients"] == 4 * P - 2 * q
+        kept = layer.static_bytes("int8", False, bf16_replicas=dp)  # a bf16 master and its fp32 master
+        assert kept["master_weights"] == 2 * q + -(-4 * P // dp)
+
+
 @pytest.mark.parametrize("seed", range(9))
 def test_segment_tables_equal_stage_memory(seed, monkeypatch):
     """The DP's vectorised memory tables give, for every stage position and segment, the smallest of
     ``stage_memory`` over the stage options: recomputation (partial too), master-free levels, a step
-    transient, gradients made in the backward (GPipe, or no more micro-batches than in flight) and
-    master-free weights updated there."""
+    transient, gradients made in the backward (GPipe, or no more micro-batches than in flight),
+    master-free weights updated there and DeepSpeed's bf16 mode (masters and states partitioned)."""
     from deepspeed_ppq.autotune import planner
     from deepspeed_ppq.autotune.planner import _segment_tables, stage_memory
 
@@ -632,7 +657,7 @@ def test_segment_tables_equal_stage_memory(seed, monkeypatch):
                     step_transient_bytes_per_param=rng.choice([0.0, 1.0]),
                     step_fixed_bytes=rng.uniform(0, 20_000), activation_extra_bytes={1: 3000.0},
                     master_free_update_in_backward=seed % 5 < 3,
-                    master_free_grad_dtype=["fp32", "bf16"][seed % 2])
+                    master_free_grad_dtype=["fp32", "bf16"][seed % 2], bf16_mode=seed % 3 == 0)
     # seeds 0 and 1: master-free weights updated in the backward (one micro-batch), fp32 and bf16
     m = 1 if seed < 2 else rng.choice([1, 2, 4])
     k = _knobs(p, rng.choice([2, 4]), m, schedule=rng.choice(["1f1b", "gpipe"]),

@@ -4,7 +4,8 @@ stage with 2 data-parallel replicas).
 The wrapper allocates its fp32 master weights and fp32 gradient buffer when the engine is built, before
 the memory tracker starts; the runner hands them to the tracker (``_wrapper_tensors``). Each rank writes
 the stage's measured peak by category and the stage's parameter count, for the fp32 run and the bf16 run
-of the same stock plan (fp32 Adam).
+of the same stock plan (fp32 Adam), with what the memory model predicted (the profile measured in the
+run's dtype; ``PlanningProblem.bf16_mode``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from dist_utils import write_result
 
 from deepspeed_ppq.autotune.loop import build_problem
+from deepspeed_ppq.autotune.memory import coarse
 from deepspeed_ppq.autotune.planner import stock_plan
 from deepspeed_ppq.config import load_ppq_config
 from deepspeed_ppq.integrations.autotune import DeepSpeedRunner
@@ -48,8 +50,10 @@ def main() -> None:
         settings = load_ppq_config(ds_config["ppq"]).autotune
         runner = DeepSpeedRunner(gpt_layers(CFG), gpt_loss, Tokens(32, 0), Tokens(16, 1), ds_config)
         problem = build_problem(settings, 2, 8, runner.profile(settings))
-        trial = runner.run_trial(stock_plan(problem, [0, 6], 4, False, False, "p1"), settings)
-        out[precision] = {"memory": trial.stages[0].memory, "val_loss": trial.val_loss}
+        plan = stock_plan(problem, [0, 6], 4, False, False, "p1")
+        trial = runner.run_trial(plan, settings)
+        out[precision] = {"memory": trial.stages[0].memory, "val_loss": trial.val_loss,
+                          "predicted": coarse(plan.stages[0].memory), "bf16_mode": problem.bf16_mode}
     write_result(out)
 
 

@@ -87,8 +87,8 @@ def test_a_bf16_trial_measures_the_bf16_optimizer_buffers():
     replicas (4 B and 8 B, halved on 2), all allocated before a trial's memory tracker starts. The
     measured peak puts them in their categories: without the runner's hand-over the tracker counted
     the masters and the gradient buffer as activations, which then measured more than fp32's (their
-    total was the same), and the memory model's activation fit absorbed them
-    (tests/dist/tune_bf16_memory.py)."""
+    total was the same), and the memory model's activation fit absorbed them. The memory model,
+    profiled in bf16, predicts the three static categories (tests/dist/tune_bf16_memory.py)."""
     r0, r1 = run_ranks(ROOT / "tests" / "dist" / "tune_bf16_memory.py", 2, timeout=600)
     n = r0["params"]
     fp32, bf16 = r0["fp32"]["memory"], r0["bf16"]["memory"]
@@ -98,3 +98,12 @@ def test_a_bf16_trial_measures_the_bf16_optimizer_buffers():
     assert bf16["optimizer"] >= 8 * n // 2  # this replica's Adam states
     assert bf16["activations"] < fp32["activations"]  # bf16 activations, nothing else
     assert all(math.isfinite(r["val_loss"]) for r in (r0["fp32"], r0["bf16"], r1["fp32"], r1["bf16"]))
+    # the memory model knows the bf16 mode: weights, masters, gradients and states as measured (it had
+    # predicted fp32 weights and whole Adam states there: 1.5x the static bytes on 2 replicas)
+    assert not r0["fp32"]["bf16_mode"] and r0["bf16"]["bf16_mode"]
+    # (in fp32 the engine frees the .grad tensors after its step: the model counts those it holds at the
+    # peak beside the activations, a split the total alone is held to)
+    checks = ((r0["fp32"], ("parameters", "optimizer")), (r0["bf16"], ("parameters", "gradients", "optimizer")))
+    for r, cats in checks:
+        for cat in cats:
+            assert r["predicted"][cat] == pytest.approx(r["memory"][cat], rel=0.05), (cat, r)
