@@ -103,7 +103,8 @@ def test_a_bf16_trial_measures_the_bf16_optimizer_buffers():
     assert not r0["fp32"]["bf16_mode"] and r0["bf16"]["bf16_mode"]
     # (in fp32 the engine frees the .grad tensors after its step: the model counts those it holds at the
     # peak beside the activations, a split the total alone is held to)
-    checks = ((r0["fp32"], ("parameters", "optimizer")), (r0["bf16"], ("parameters", "gradients", "optimizer")))
+    checks = ((r0["fp32"], ("parameters", "optimizer")),
+              (r0["bf16"], ("parameters", "gradients", "optimizer")))
     for r, cats in checks:
         for cat in cats:
             assert r["predicted"][cat] == pytest.approx(r["memory"][cat], rel=0.05), (cat, r)
