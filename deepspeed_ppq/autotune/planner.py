@@ -369,22 +369,28 @@ def optimizer_units(prob: PlanningProblem, k: Knobs, layer: LayerProfile, fmt: s
     """A layer's optimizer step cost in fp32-Adam parameters (times ``optimizer_s_per_param``: seconds),
     for its weights stored in ``fmt``: each parameter weighted by the measured cost ratio of whatever
     updates it: 8-bit states (tensors of at least ``MIN_8BIT_SIZE`` values, as ``build_optimizer``), the
-    master-free update (the Linear weights of a low-bit layer under ``master_free``) or fp32 Adam."""
+    master-free update (the Linear weights of a low-bit layer under ``master_free``) or fp32 Adam. In
+    bf16 mode each replica steps its partition of the engine's parameters (BF16_Optimizer)."""
     r = prob.optimizer_cost_ratio
     big = sum(n for n in layer.param_numels if n >= MIN_8BIT_SIZE) if k.optimizer_8bit else 0
     q = layer.quantizable_params if k.master_free and fmt != "none" else 0
     big = max(0, big - q)  # the quantized weights are big tensors too
     mf = r.get("master_free_8bit" if k.optimizer_8bit else "master_free", 1.0)
-    return (layer.params - big - q) + big * r.get("adam8bit", 1.0) + q * mf
+    engine = (layer.params - big - q) + big * r.get("adam8bit", 1.0)
+    return engine / max(1, prob.bf16_replicas(k)) + q * mf
 
 
 def _extras(prob: PlanningProblem, k: Knobs, layers: list[tuple[LayerProfile, str]]) -> float:
-    """Optimizer step plus data-parallel gradient all-reduce (ring) of a stage: ``(layer, format)``s."""
+    """Optimizer step plus data-parallel gradient all-reduce (ring) of a stage: ``(layer, format)``s; in
+    bf16 mode also the all-gather of the updated bf16 partitions."""
     dp = _data_parallel(prob, k)
     t = prob.optimizer_s_per_param * sum(optimizer_units(prob, k, layer, fmt) for layer, fmt in layers)
     if dp > 1:
         params = sum(layer.params for layer, _ in layers)
         t += 2 * (dp - 1) / dp * prob.link.time(4 * params)
+        if prob.bf16_mode:
+            engine = sum(layer.engine_params(fmt, k.master_free) for layer, fmt in layers)
+            t += (dp - 1) / dp * prob.link.time(2 * engine)
     return t
 
 

@@ -635,6 +635,15 @@ def test_bf16_mode_partitions_masters_and_states_over_the_replicas():
         assert free["gradients"] == 4 * P - 2 * q
         kept = layer.static_bytes("int8", False, bf16_replicas=dp)  # a bf16 master and its fp32 master
         assert kept["master_weights"] == 2 * q + -(-4 * P // dp)
+    # each replica steps its partition of the engine's parameters; a master-free weight's update is whole
+    from deepspeed_ppq.autotune.planner import optimizer_units
+
+    prob = _problem(1, 3, world_size=2, global_batch=4, bf16_mode=True)
+    fp32 = _problem(1, 3, world_size=2, global_batch=4)
+    one, two = _knobs(1, 2, 1), _knobs(2, 2, 1)  # one stage on 2 replicas; two stages, one replica
+    half = optimizer_units(fp32, one, layer, "none") / 2
+    assert optimizer_units(prob, one, layer, "none") == pytest.approx(half)
+    assert optimizer_units(prob, two, layer, "none") == optimizer_units(fp32, two, layer, "none")
 
 
 @pytest.mark.parametrize("seed", range(9))
