@@ -14,7 +14,7 @@ memory, as an LLM's pipeline stages are.
 * ``finetune``: LoRA fine-tuning of the same GPT, pre-trained once (``examples/pretrain_gpt.py``,
   cached), on other text (stdlib files past the pretraining text). The base is frozen: its weights are
   nearly all of a stage's memory; the candidates are NF4 and int8 storage of the frozen base (QLoRA),
-  against the stock baseline of the same LoRA fine-tune on the fp32 base.
+  against the stock baseline of the same LoRA fine-tune on the full-precision (fp32 or bf16) base.
 
 Both run ``examples/train_gpt_pipe.py`` unmodified, on 2 ranks with a global batch of 16, and let the
 tuner choose 1 or 2 pipeline stages (the other factor data parallel). ``settings(name, quick)`` gives a
