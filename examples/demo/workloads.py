@@ -172,7 +172,10 @@ def choose_precision(w: Workload, model: list[str], out: Path) -> tuple[str, dic
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
                str(free_port()), str(SCRIPT), "--deepspeed_config", str(cfg), *model, "--num-stages", "1",
                "--steps", str(PROBE_STEPS)]
+        # one intra-op thread per rank, as ``ppq tune``'s trials (2 ranks of 2 threads on 2 cores had
+        # slowed the fp32 run 2.3x and the bf16 run hardly at all)
         env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), PYTHONPATH=str(ROOT))
+        env.setdefault("OMP_NUM_THREADS", "1")
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
         found = re.search(r"step time: median ([0-9.]+) ms", proc.stdout)
         if proc.returncode or found is None:
