@@ -54,8 +54,10 @@ __all__ = ["DeepSpeedRunner", "autotune"]
 _STEP_INSTRUCTIONS = ("ReduceGrads", "ReduceTiedGrads", "OptimizerStep")
 
 # DeepSpeed's engine flattens the gradients into one buffer for its data-parallel reduce (even with
-# one replica): about one fp32 gradient per parameter. A prior; the loop refits it from measurements.
-_DS_STEP_TRANSIENT = 4.0
+# one replica): about one fp32 gradient per parameter. A prior; the loop refits what the engine holds
+# beyond it from measurements. In bf16 mode the gradients are already one flat fp32 buffer
+# (BF16_Optimizer's, in the static bytes) and a step measured no transient beside it.
+_DS_STEP_TRANSIENT = {False: 4.0, True: 0.0}  # by bf16 mode
 
 
 def _grads_freed_after_step(ds_config: dict) -> bool:
@@ -191,7 +193,7 @@ class DeepSpeedRunner:
                 prof = Profile(layers=lprof, codecs=profiler.profile_codecs(list(codecs.values()), shape),
                                link=profiler.DEFAULT_LINK,
                                optimizer_costs=profiler.optimizer_costs(grad_dtype=grad_dtype),
-                               step_transient_bytes_per_param=_DS_STEP_TRANSIENT)
+                               step_transient_bytes_per_param=_DS_STEP_TRANSIENT[bf16])
                 payload = prof.to_dict()
                 if settings.profile_cache:
                     profiler.save_profile(settings.profile_cache, key, payload)

@@ -53,7 +53,8 @@ def main() -> None:
         plan = stock_plan(problem, [0, 6], 4, False, False, "p1")
         trial = runner.run_trial(plan, settings)
         out[precision] = {"memory": trial.stages[0].memory, "val_loss": trial.val_loss,
-                          "predicted": coarse(plan.stages[0].memory), "bf16_mode": problem.bf16_mode}
+                          "predicted": coarse(plan.stages[0].memory), "bf16_mode": problem.bf16_mode,
+                          "predicted_total": plan.stages[0].peak_memory}
     write_result(out)
 
 
