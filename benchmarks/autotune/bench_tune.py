@@ -42,7 +42,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path[:0] = [str(ROOT / "examples" / "demo"), str(ROOT / "examples")]  # workloads, stdlib_text
 
 from _harness import RESULTS, loadavg, machine, machine_line, write_report  # noqa: E402
-from workloads import PRECISIONS, SCRIPT, choose_precision, ds_config, script_args, settings  # noqa: E402
+from workloads import (  # noqa: E402
+    PRECISIONS,
+    SCRIPT,
+    choose_precision,
+    ds_config,
+    script_args,
+    settings,
+    timed_run,
+)
 
 from deepspeed_ppq.autotune.ladder import left_out_lines, measured_bubble, stage_compute  # noqa: E402
 from deepspeed_ppq.autotune.plan import Plan  # noqa: E402
@@ -61,6 +69,7 @@ def _tune(w, budget_mb: float, out: Path, model: list[str], autotune: dict, prec
         return {"error": next((x for x in reversed(lines) if x.startswith("ppq tune:")), lines[-1])}
     r = json.loads((out / "tune" / "tune.json").read_text())
     r["wall_s"] = time.perf_counter() - t0
+    r["dir"], r["precision"] = str(out / "tune"), precision
     return r
 
 
@@ -88,7 +97,8 @@ def sweep_row(budget_mb: float, r: dict, unconstrained: dict | None) -> dict:
     if "error" in r:
         return {"budget_mb": budget_mb, "error": r["error"]}
     if r["outcome"] == "stock_does_not_fit":  # no stock run to compare with: no speedup
-        return {"budget_mb": budget_mb, "outcome": r["outcome"], "stock": "cannot train at this budget",
+        return {"budget_mb": budget_mb, "precision": r["precision"], "outcome": r["outcome"],
+                "stock": "cannot train at this budget",
                 "stock_smallest_peaks_mb": _peaks(r["baseline"]["run"]), "tuned": _plan_label(r["plan"]),
                 "tuned_ms": r["plan"]["measured_step_time"] * 1e3,
                 "tuned_peaks_mb": _peaks_of(r["plan"]["measured_memory"]),
@@ -107,13 +117,107 @@ def sweep_row(budget_mb: float, r: dict, unconstrained: dict | None) -> dict:
         compromise = (any(s["recompute"] for s in base["stages"])
                       or (base["pipeline_degree"], base["micro_batch_size"])
                       != (unconstrained["pipeline_degree"], unconstrained["micro_batch_size"]))
-    return {"budget_mb": budget_mb, "stock": _plan_label(base), "stock_ms": t_base * 1e3,
-            "stock_peaks_mb": _peaks(r["baseline"]["run"]), "outcome": r["outcome"],
+    return {"budget_mb": budget_mb, "stock": f"{r['precision']}: {_plan_label(base)}",
+            "stock_ms": t_base * 1e3, "stock_peaks_mb": _peaks(r["baseline"]["run"]), "outcome": r["outcome"],
+            "precision": r["precision"],
             "tuned": _plan_label(r["plan"]) if r["outcome"] == "tuned" else "(the stock configuration)",
             "tuned_ms": t_tuned * 1e3, "speedup": t_base / t_tuned, "stock_compromises": compromise,
             "tuned_peaks_mb": _peaks_of(r["plan"]["measured_memory"]),
             "noise_ratio": noise, "gate": r["gate"], "wall_s": r["wall_s"],
             "log": r.get("log", [])}  # why each plan was taken or refused
+
+
+AB_ROUNDS = 3  # alternating rounds of the cross-precision A/B (other_precision_stock)
+
+
+def other_precision_stock(w, b: float, tmp: Path, model: list[str], r: dict,
+                          probe_s: dict | None) -> dict | None:
+    """Stock DeepSpeed in the other precision at budget ``b`` MiB, where it may beat the chosen one's: no
+    stock configuration fits in the chosen precision there, or the best one measured is slower than the
+    other precision's fastest step (its timing run in ``choose_precision``: no stock run at a budget is
+    faster). Its own tune at ``b`` measures its best stock configuration; that one, the chosen
+    precision's best stock configuration (if one fits) and the tuned plan are then timed in one A/B,
+    ``AB_ROUNDS`` rounds of the example script with their plan files, alternating.
+
+    Returns:
+        None when the other precision is not searched; else ``{"precision", "fits"}`` and, when its stock
+        fits, ``"entries"``: per A/B entry its label, precision, step times (ms) and measured peaks.
+    """
+    if "error" in r or probe_s is None:
+        return None
+    other = next(p for p in PRECISIONS if p != r["precision"])
+    fits = r["outcome"] != "stock_does_not_fit"
+    if fits and statistics.median(r["ab_step_times"]["baseline"]) <= probe_s[other]:
+        return None
+    ro = _tune(w, b, tmp / f"b{b:g}_{other}", model, {"ladder": False}, other)
+    if "error" in ro or ro["outcome"] == "stock_does_not_fit":
+        return {"precision": other, "fits": False, "error": ro.get("error")}
+    def base(t: dict) -> tuple:
+        return Path(t["dir"]) / "baseline_plan.json", t["baseline"]["plan"], _peaks(t["baseline"]["run"])
+
+    entries = {f"stock {other}": (other, *base(ro))}
+    if fits:
+        entries[f"stock {r['precision']}"] = (r["precision"], *base(r))
+    if r["outcome"] in ("tuned", "stock_does_not_fit"):
+        entries["tuned"] = (r["precision"], Path(r["dir"]) / "plan.json", r["plan"],
+                            _peaks_of(r["plan"]["measured_memory"]))
+    else:  # the tuned plan is the chosen precision's stock configuration
+        entries["tuned"] = entries[f"stock {r['precision']}"]
+    times: dict[str, list[float]] = {name: [] for name in entries}
+    for _ in range(AB_ROUNDS):
+        for name, (prec, path, _, _) in entries.items():
+            cfg = ds_config(tmp, w, b, plan_file=str(path), precision=prec)
+            times[name].append(timed_run(cfg, model) * 1e3)
+    return {"precision": other, "fits": True,
+            "entries": {name: {"precision": prec, "label": _plan_label(plan), "ms": times[name],
+                               "peaks_mb": pk} for name, (prec, _, plan, pk) in entries.items()}}
+
+
+def cross_precision_row(row: dict, other: dict) -> dict:
+    """``row`` with its stock and tuned times from the cross-precision A/B (``other_precision_stock``):
+    the best stock configuration is the faster of the two precisions' there."""
+    e = other["entries"]
+    med = {name: statistics.median(x["ms"]) for name, x in e.items()}
+    stock = min((name for name in e if name.startswith("stock")), key=med.get)
+    return {**row, "stock": f"{e[stock]['precision']}: {e[stock]['label']}", "stock_ms": med[stock],
+            "stock_peaks_mb": e[stock]["peaks_mb"], "tuned_ms": med["tuned"],
+            "speedup": med[stock] / med["tuned"],
+            "outcome": row["outcome"] if row["outcome"] != "stock_does_not_fit" else "tuned",
+            "stock_compromises": True if stock != f"stock {row['precision']}" else row["stock_compromises"],
+            "cross_precision": other}
+
+
+def _with_other_precision(row: dict, w, b: float, tmp: Path, model: list[str], r: dict,
+                          precision: dict) -> dict:
+    """``row``, with the other precision's stock searched where it may be faster
+    (``other_precision_stock``)."""
+    other = other_precision_stock(w, b, tmp, model, r, precision.get("probe_s"))
+    if other is None:
+        return row
+    return cross_precision_row(row, other) if other["fits"] else {**row, "cross_precision": other}
+
+
+def cross_precision_lines(rows: list[dict]) -> list[str]:
+    """Per budget where the other precision's stock was searched: what it found and the A/B."""
+    out = []
+    for x in rows:
+        o = x.get("cross_precision")
+        if not o:
+            continue
+        if not o["fits"]:
+            out.append(f"- {x['budget_mb']:g} MiB: no {o['precision']} stock configuration fits either"
+                       + (f" ({o['error']})" if o.get("error") else ""))
+            continue
+        out.append(f"- {x['budget_mb']:g} MiB, medians of {AB_ROUNDS} alternating runs of the example "
+                   "script: "
+                   + "; ".join(f"{name} ({e['label']}, peaks {e['peaks_mb']} MiB) "
+                               f"{statistics.median(e['ms']):.0f} ms" for name, e in o["entries"].items()))
+    if out:
+        out = ["", "Where the chosen precision's stock cannot train or is slower than the other "
+               "precision's fastest stock step, the other precision's stock configurations are searched "
+               "too (their own tune at the budget), and the best of each precision and the tuned plan are "
+               "timed together; the row's times are that A/B's:", "", *out]
+    return out
 
 
 def sweep_budgets(free: dict, n: int = 6) -> list[float]:
@@ -253,6 +357,7 @@ def _markdown(w, m: dict, ladder: dict | None, rows: list[dict], budget_ref: flo
         if alone:
             md.append(f"Where no stock configuration fits ({', '.join(f'{b:g}' for b in alone)} MiB) "
                       "only the low-bit plan trains.")
+        md += cross_precision_lines(rows)
         md += why_stock_stays(rows)
     return "\n".join(md) + "\n"
 
@@ -361,7 +466,8 @@ def main() -> int:
                 reuse = ladder_ok and b == w.budget_mb  # the ladder's tune is this budget's
                 r = ladder if reuse else _tune(w, b, Path(tmp) / f"b{b:g}", model, {"ladder": False},
                                                 precision["chosen"])
-                rows.append(sweep_row(b, r, unconstrained))
+                rows.append(_with_other_precision(sweep_row(b, r, unconstrained), w, b, Path(tmp), model,
+                                                  r, precision))
                 print(json.dumps(rows[-1]), flush=True)
                 # the sweep goes down to where only the smallest stock configuration fits (micro-batch 1
                 # with recomputation, say): where the lowest budget's baseline is still a larger one, one
@@ -371,7 +477,9 @@ def main() -> int:
                     budgets.append(floor)
                     rf = _tune(w, floor, Path(tmp) / f"b{floor:g}", model, {"ladder": False},
                                precision["chosen"])
-                    rows.append({**sweep_row(floor, rf, unconstrained), "floor": True})
+                    row = sweep_row(floor, rf, unconstrained)
+                    row = _with_other_precision(row, w, floor, Path(tmp), model, rf, precision)
+                    rows.append({**row, "floor": True})
                     print(json.dumps(rows[-1]), flush=True)
         md = _markdown(w, m, ladder, rows, w.budget_mb, loadavg(), _other_flags(sys.argv[1:]), precision)
         if unconstrained is not None:

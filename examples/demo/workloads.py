@@ -166,23 +166,27 @@ def choose_precision(w: Workload, model: list[str], out: Path) -> tuple[str, dic
     Returns:
         The precision and each one's median step time in seconds.
     """
-    times = {}
-    for precision in PRECISIONS:
-        cfg = ds_config(out, w, 1 << 20, precision=precision)
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-               str(free_port()), str(SCRIPT), "--deepspeed_config", str(cfg), *model, "--num-stages", "1",
-               "--steps", str(PROBE_STEPS)]
-        # one intra-op thread per rank, as ``ppq tune``'s trials (2 ranks of 2 threads on 2 cores had
-        # slowed the fp32 run 2.3x and the bf16 run hardly at all)
-        env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), PYTHONPATH=str(ROOT))
-        env.setdefault("OMP_NUM_THREADS", "1")
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-        found = re.search(r"step time: median ([0-9.]+) ms", proc.stdout)
-        if proc.returncode or found is None:
-            raise SystemExit(f"the {precision} timing run failed (exit {proc.returncode}):\n"
-                             + (proc.stdout + proc.stderr)[-3000:])
-        times[precision] = float(found.group(1)) / 1e3
+    times = {p: timed_run(ds_config(out, w, 1 << 20, precision=p), model, ["--num-stages", "1"])
+             for p in PRECISIONS}
     return min(times, key=times.get), times
+
+
+def timed_run(cfg: Path, model: list[str], extra: list[str] = (), steps: int = PROBE_STEPS) -> float:
+    """The example script's median step time (seconds) on 2 ranks under the ``deepspeed`` launcher, with
+    DeepSpeed config ``cfg`` (a plan file in it sets the partition and batches) for ``steps`` steps."""
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+           str(free_port()), str(SCRIPT), "--deepspeed_config", str(cfg), *model, *extra,
+           "--steps", str(steps)]
+    # one intra-op thread per rank, as ``ppq tune``'s trials (2 ranks of 2 threads on 2 cores had slowed
+    # the fp32 run 2.3x and the bf16 run hardly at all)
+    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), PYTHONPATH=str(ROOT))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    found = re.search(r"step time: median ([0-9.]+) ms", proc.stdout)
+    if proc.returncode or found is None:
+        raise SystemExit(f"the timing run with {cfg} failed (exit {proc.returncode}):\n"
+                         + (proc.stdout + proc.stderr)[-3000:])
+    return float(found.group(1)) / 1e3
 
 
 def free_port() -> int:
