@@ -10,30 +10,23 @@ run's dtype; ``PlanningProblem.bf16_mode``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import deepspeed
 import torch
 from dist_utils import write_result
+from tune_same_validation import CFG as SAME_CFG
+from tune_same_validation import Tokens
 
 from deepspeed_ppq.autotune.loop import build_problem
 from deepspeed_ppq.autotune.memory import coarse
 from deepspeed_ppq.autotune.planner import stock_plan
 from deepspeed_ppq.config import load_ppq_config
 from deepspeed_ppq.integrations.autotune import DeepSpeedRunner
-from deepspeed_ppq.models.gpt import GPTConfig, gpt_layers, gpt_loss
+from deepspeed_ppq.models.gpt import gpt_layers, gpt_loss
 
-CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=64, n_heads=2, n_layers=4)
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int, seed: int):
-        g = torch.Generator().manual_seed(seed)
-        self.t = torch.randint(0, CFG.vocab_size, (n, CFG.seq_len + 1), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.t)
-
-    def __getitem__(self, i: int):
-        return self.t[i, :-1], self.t[i, 1:]
+# the data of tune_same_validation.py (its Tokens: that script's vocabulary and sequence length), a wider model
+CFG = dataclasses.replace(SAME_CFG, d_model=64)
 
 
 def main() -> None:
