@@ -60,17 +60,18 @@ _STEP_INSTRUCTIONS = ("ReduceGrads", "ReduceTiedGrads", "OptimizerStep")
 _DS_STEP_TRANSIENT = {False: 4.0, True: 0.0}  # by bf16 mode
 
 
+def _bf16_mode(ds_config: dict) -> bool:
+    """Whether ``ds_config`` turns on DeepSpeed's bf16 mode (bf16 weights and compute, BF16_Optimizer):
+    its ``bf16`` section, or the older name ``bfloat16``."""
+    return any((ds_config.get(k) or {}).get("enabled") for k in ("bf16", "bfloat16"))
+
+
 def _grads_freed_after_step(ds_config: dict) -> bool:
     """Whether DeepSpeed's engine frees the parameter gradients after its step: in fp32 without ZeRO it
     sets every ``.grad`` to None (``DeepSpeedEngine.zero_grad``); the bf16/fp16 and ZeRO optimizers keep
     gradient buffers of their own."""
-    mixed = any((ds_config.get(k) or {}).get("enabled") for k in ("bf16", "bfloat16", "fp16"))
+    mixed = _bf16_mode(ds_config) or (ds_config.get("fp16") or {}).get("enabled")
     return not mixed and not (ds_config.get("zero_optimization") or {}).get("stage", 0)
-
-
-def _bf16_mode(ds_config: dict) -> bool:
-    """Whether ``ds_config`` turns on DeepSpeed's bf16 mode (bf16 weights and compute, BF16_Optimizer)."""
-    return bool((ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled"))
 
 
 def _master_free_updates_in_backward(ds_config: dict) -> bool:
@@ -164,10 +165,10 @@ class DeepSpeedRunner:
         codecs = {json.dumps(codec_dict(c), sort_keys=True): codec_dict(c)
                   for c in [*settings.activation_codecs, *settings.gradient_codecs]}
         payload = None
+        bf16 = _bf16_mode(self.ds_config)
         if self.rank == 0:
             layers = build_layers(self.specs)
             grad_dtype = settings.master_free_grad_dtype
-            bf16 = _bf16_mode(self.ds_config)
             key = profiler.profile_key(layers, mbs=timed, formats=fmts, reps=settings.profile_reps,
                                        weights=self.weights.model_dump(mode="json"), codecs=sorted(codecs),
                                        master_free_grad_dtype=grad_dtype, bf16_mode=bf16)
@@ -204,7 +205,7 @@ class DeepSpeedRunner:
         prof.threads_per_rank = torch.get_num_threads()
         prof.grads_freed_after_step = _grads_freed_after_step(self.ds_config)
         prof.master_free_update_in_backward = _master_free_updates_in_backward(self.ds_config)
-        prof.bf16_mode = _bf16_mode(self.ds_config)
+        prof.bf16_mode = bf16
         return prof
 
     # ----- a trial ----------------------------------------------------------------------------------
