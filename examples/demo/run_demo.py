@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -37,14 +36,15 @@ from workloads import (  # noqa: E402
     WORKLOADS,
     choose_precision,
     ds_config,
-    free_port,
+    launch_cmd,
     script_args,
+    script_env,
     settings,
 )
 
 
 def _run(cmd: list[str], log: Path) -> None:
-    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), PYTHONPATH=str(ROOT))
+    env = script_env()
     print("$ " + " ".join(cmd), flush=True)
     tail: list[str] = []
     with open(log, "w") as f:
@@ -110,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
           *model, "--out", str(out / "tune")], out / "tune.log")
     result = json.loads((out / "tune" / "tune.json").read_text())
     plan_cfg = ds_config(out, w, budget, plan_file=str(out / "tune" / "plan.json"), precision=precision)
-    _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-          str(free_port()), str(SCRIPT), "--deepspeed_config", str(plan_cfg), *model, "--steps",
-          str(w.train_steps)], out / "train.log")
+    _run(launch_cmd(plan_cfg, model, steps=w.train_steps), out / "train.log")
     if result.get("ladder"):
         _plot(result, out / "ladder.png")
     report = (out / "tune" / "report.md").read_text()

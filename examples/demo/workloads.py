@@ -173,17 +173,28 @@ def choose_precision(w: Workload, model: list[str], out: Path) -> tuple[str, dic
     return min(times, key=times.get), times
 
 
-def timed_run(cfg: Path, model: list[str], extra: list[str] = (), steps: int = PROBE_STEPS) -> float:
-    """The example script's median step time (seconds) on 2 ranks under the ``deepspeed`` launcher, with
+def launch_cmd(cfg: Path, model: list[str], extra: list[str] = (), steps: int = PROBE_STEPS) -> list[str]:
+    """The command that trains the example script on 2 ranks under the ``deepspeed`` launcher with
     DeepSpeed config ``cfg`` (a plan file in it sets the partition and batches) for ``steps`` steps."""
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-           str(free_port()), str(SCRIPT), "--deepspeed_config", str(cfg), *model, *extra,
-           "--steps", str(steps)]
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+            str(free_port()), str(SCRIPT), "--deepspeed_config", str(cfg), *model, *extra,
+            "--steps", str(steps)]
+
+
+def script_env() -> dict[str, str]:
+    """The environment the example script and ``ppq tune`` run in (the CPU accelerator unless another is
+    set, this checkout on the path)."""
+    return dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), PYTHONPATH=str(ROOT))
+
+
+def timed_run(cfg: Path, model: list[str], extra: list[str] = (), steps: int = PROBE_STEPS) -> float:
+    """The example script's median step time (seconds) from ``launch_cmd(cfg, model, extra, steps)``."""
     # one intra-op thread per rank, as ``ppq tune``'s trials (2 ranks of 2 threads on 2 cores had slowed
     # the fp32 run 2.3x and the bf16 run hardly at all)
-    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), PYTHONPATH=str(ROOT))
+    env = script_env()
     env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    proc = subprocess.run(launch_cmd(cfg, model, extra, steps), capture_output=True, text=True, env=env,
+                          cwd=ROOT)
     found = re.search(r"step time: median ([0-9.]+) ms", proc.stdout)
     if proc.returncode or found is None:
         raise SystemExit(f"the timing run with {cfg} failed (exit {proc.returncode}):\n"
