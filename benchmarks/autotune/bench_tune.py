@@ -152,6 +152,7 @@ def other_precision_stock(w, b: float, tmp: Path, model: list[str], r: dict,
     ro = _tune(w, b, tmp / f"b{b:g}_{other}", model, {"ladder": False}, other)
     if "error" in ro or ro["outcome"] == "stock_does_not_fit":
         return {"precision": other, "fits": False, "error": ro.get("error")}
+
     def base(t: dict) -> tuple:
         return Path(t["dir"]) / "baseline_plan.json", t["baseline"]["plan"], _peaks(t["baseline"]["run"])
 
@@ -161,8 +162,7 @@ def other_precision_stock(w, b: float, tmp: Path, model: list[str], r: dict,
     if r["outcome"] in ("tuned", "stock_does_not_fit"):
         entries["tuned"] = (r["precision"], Path(r["dir"]) / "plan.json", r["plan"],
                             _peaks_of(r["plan"]["measured_memory"]))
-    else:  # the tuned plan is the chosen precision's stock configuration
-        entries["tuned"] = entries[f"stock {r['precision']}"]
+    # otherwise the tuned plan is the chosen precision's stock configuration, timed once as that
     times: dict[str, list[float]] = {name: [] for name in entries}
     for _ in range(AB_ROUNDS):
         for name, (prec, path, _, _) in entries.items():
@@ -179,9 +179,10 @@ def cross_precision_row(row: dict, other: dict) -> dict:
     e = other["entries"]
     med = {name: statistics.median(x["ms"]) for name, x in e.items()}
     stock = min((name for name in e if name.startswith("stock")), key=med.get)
+    tuned = "tuned" if "tuned" in e else f"stock {row['precision']}"
     return {**row, "stock": f"{e[stock]['precision']}: {e[stock]['label']}", "stock_ms": med[stock],
-            "stock_peaks_mb": e[stock]["peaks_mb"], "tuned_ms": med["tuned"],
-            "speedup": med[stock] / med["tuned"],
+            "stock_peaks_mb": e[stock]["peaks_mb"], "tuned_ms": med[tuned],
+            "speedup": med[stock] / med[tuned],
             "outcome": row["outcome"] if row["outcome"] != "stock_does_not_fit" else "tuned",
             "stock_compromises": True if stock != f"stock {row['precision']}" else row["stock_compromises"],
             "cross_precision": other}
@@ -211,7 +212,9 @@ def cross_precision_lines(rows: list[dict]) -> list[str]:
         out.append(f"- {x['budget_mb']:g} MiB, medians of {AB_ROUNDS} alternating runs of the example "
                    "script: "
                    + "; ".join(f"{name} ({e['label']}, peaks {e['peaks_mb']} MiB) "
-                               f"{statistics.median(e['ms']):.0f} ms" for name, e in o["entries"].items()))
+                               f"{statistics.median(e['ms']):.0f} ms" for name, e in o["entries"].items())
+                   + ("" if "tuned" in o["entries"] else
+                      f"; the tuned plan is the {x['precision']} stock configuration"))
     if out:
         out = ["", "Where the chosen precision's stock cannot train or is slower than the other "
                "precision's fastest stock step, the other precision's stock configurations are searched "
