@@ -44,7 +44,7 @@ from deepspeed_ppq.autotune.costs import (
 from deepspeed_ppq.autotune.memory import PREDICTED
 from deepspeed_ppq.autotune.plan import Plan, StagePlan, recomputes
 from deepspeed_ppq.formats import GRAD_DTYPE_BYTES
-from deepspeed_ppq.quant.master_free import IN_BACKWARD_BUCKET
+from deepspeed_ppq.quant.master_free import IN_BACKWARD_BUCKET, in_backward_bucket_values
 from deepspeed_ppq.quant.optim import MIN_8BIT_SIZE
 from deepspeed_ppq.schedule import LinkModel
 
@@ -205,13 +205,13 @@ class PlanningProblem:
     def master_free_gradient_bytes(self, num_microbatches: int, data_parallel: int) -> tuple[int, float, int]:
         """How a master-free weight's gradient is held at ``num_microbatches`` per step and
         ``data_parallel`` replicas: (bytes per value of its buffer, bytes of workspace per byte of the
-        dequantization buffer, bytes of the bucket gradients wait in). The buffer; or, updated in the
-        backward, none, a workspace of the gradient's dtype beside the fp32 one where it is narrower
-        (``quant.master_free``'s ``_gradient``), and with replicas a bucket of ``IN_BACKWARD_BUCKET``
-        values (at most the stage's own master-free values)."""
+        dequantization buffer, bytes per value of the buckets gradients wait in). The buffer; or, updated
+        in the backward, none, a workspace of the gradient's dtype beside the fp32 one where it is
+        narrower (``quant.master_free``'s ``_gradient``), and with replicas the buckets of
+        ``in_backward_bucket_values`` (``bucket_bytes``)."""
         if self.master_free_update_in_backward and num_microbatches == 1:
             g = self.master_free_grad_bytes
-            return 0, (g / 4 if g < 4 else 0.0), (IN_BACKWARD_BUCKET * g if data_parallel > 1 else 0)
+            return 0, (g / 4 if g < 4 else 0.0), (g if data_parallel > 1 else 0)
         return self.master_free_grad_bytes, 0.0, 0
 
     def levels(self) -> list[str]:
@@ -304,6 +304,13 @@ def stage_time(prob: PlanningProblem, k: Knobs, c: StageChoice) -> float:
     return t + _boundary_times(prob, k, c.first, c.last) + prob.microbatch_overhead_s
 
 
+def bucket_bytes(grad_bytes: int, values):
+    """Bytes of the buckets in which a stage's ``values`` master-free gradient values of ``grad_bytes``
+    each wait for their all-reduce when updated in the backward (``in_backward_bucket_values``);
+    ``values`` may be an array."""
+    return grad_bytes * in_backward_bucket_values(values, IN_BACKWARD_BUCKET)
+
+
 def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dict[str, int]:
     """Peak bytes of stage ``c`` at position ``s``, by category (``MEMORY_CATEGORIES``)."""
     b, layers = k.micro_batch_size, prob.layers[c.first : c.last]
@@ -323,9 +330,9 @@ def stage_memory(prob: PlanningProblem, k: Knobs, c: StageChoice, s: int) -> dic
     # gradient's dtype beside it, for a gradient made in the backward)
     ws = max(layer.workspace_bytes.get(layer.format_for(c.level), 0) for layer in layers)
     mem["weights"] += int(ws * (1.0 + grad_ws))
-    if bucket:  # no larger than the stage's master-free gradients
+    if bucket:
         q = sum(layer.quantizable_params for layer in layers if layer.format_for(c.level) != "none")
-        mem["gradients"] += int(min(bucket, prob.master_free_grad_bytes * q))
+        mem["gradients"] += bucket_bytes(bucket, q)
     saved = [layer.saved_bytes[layer.format_for(c.level)] * b for layer in layers]
     rec = [c.recomputes(i) for i in range(c.first, c.last)]
     trans = [layer.transient_bytes(layer.format_for(c.level), r, b) for layer, r in zip(layers, rec)]
@@ -486,9 +493,9 @@ def _option_tables(prob: PlanningProblem, b: int, optimizer_8bit: bool, master_f
             for layer, f in zip(layers, fmts)
         ]
         stat = _seg(_prefix(stat))
-        if bucket:  # stage_memory's bucket: no larger than the segment's master-free gradients
+        if bucket:  # stage_memory's buckets
             q = _prefix([layer.quantizable_params if f != "none" else 0 for layer, f in zip(layers, fmts)])
-            stat = stat + np.minimum(bucket, prob.master_free_grad_bytes * _seg(q))
+            stat = stat + bucket_bytes(bucket, _seg(q))
         saved = np.array([layer.saved_bytes[f] * b for layer, f in zip(layers, fmts)], dtype=float)
         tr = {r: np.array([layer.transient_bytes(f, r, b) for layer, f in zip(layers, fmts)], dtype=float)
               for r in (False, True)}

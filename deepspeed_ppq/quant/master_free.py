@@ -35,11 +35,18 @@ How it plugs into a training loop, plain or DeepSpeed (DeepSpeed steps only ``nn
   ``bucket_values`` (``IN_BACKWARD_BUCKET``: 2^21, 4 MiB of bf16) that is averaged over the replicas
   in one all-reduce when the next gradient would not fit (and at the step), and its layers are updated
   then: an all-reduce per layer had cost the pre-training workload's step ~40% (gloo takes ~2 ms per
-  call on a 2-core machine: 0.5 MiB in 2.3 ms, 18 MiB in 16.6). No whole gradient buffer exists: with
-  a bf16 one and 8-bit states a weight holds 3 B per value instead of 5, plus the bucket. The result is
-  the buffered path's bit for bit (the same products, sums and update). A DeepSpeed engine gets it
-  where its config allows (``updates_in_backward``); a layer that gets no gradient in a step is not
-  stepped (the buffered path steps it with a zero gradient once its buffer exists).
+  call on a 2-core machine: 0.5 MiB in 2.3 ms, 18 MiB in 16.6). The all-reduce runs in the background
+  while the backward fills a second bucket (as DDP overlaps its buckets), and the layers are updated
+  when it is waited for, at the next bucket's launch or the step (``in_backward_bucket_values``: two
+  buckets where one does not hold a stage's gradients). Waited for at once, each bucket's all-reduce
+  was a point where a replica waited for the slower: the pre-training workload's one-stage step (int8
+  weights, 2 replicas, bf16) measured 126.7-126.8 ms so, 117.8-122.6 overlapped, and 116.8-119.5 with
+  one bucket holding every gradient (9.4M values: 2.25x the two buckets' memory). No whole gradient
+  buffer exists: with a bf16 one and 8-bit states a weight holds 3 B per value instead of 5, plus the
+  buckets. The result is the buffered path's bit for bit (the same products, sums and update). A
+  DeepSpeed engine gets it where its config allows (``updates_in_backward``); a layer that gets no
+  gradient in a step is not stepped (the buffered path steps it with a zero gradient once its buffer
+  exists).
 * Clipping: DeepSpeed's clip norm does not see these buffers, and the main step has already run when
   the hook fires, so one global norm over both is not possible without patching DeepSpeed. The
   buffers are clipped SEPARATELY to ``max_grad_norm`` (from the engine's ``gradient_clipping`` by
@@ -84,6 +91,7 @@ __all__ = [
     "GradBucket",
     "updates_in_backward",
     "IN_BACKWARD_BUCKET",
+    "in_backward_bucket_values",
 ]
 
 # Values of the bucket in which gradients made in the backward wait for their data-parallel average
@@ -91,6 +99,14 @@ __all__ = [
 IN_BACKWARD_BUCKET = 1 << 21
 
 _QMAPS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def in_backward_bucket_values(values, capacity: int = IN_BACKWARD_BUCKET):
+    """Values of the buckets in which ``values`` gradient values made in the backward wait for their
+    data-parallel average (``attach_master_free``'s ``update_in_backward``): all of them in one bucket
+    where they fit ``capacity``, else two buckets of ``capacity`` (one filling while the other's all-reduce
+    runs). ``values`` may be an integer array (elementwise)."""
+    return values + (values > capacity) * (2 * capacity - values)
 
 
 def _adamw_fp32_ref(w, g, m, v, beta1, beta2, eps, step, lr, weight_decay, grad_scale):
@@ -337,37 +353,61 @@ def _gradient(layer, g2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
 
 
 class _BackwardBucket:
-    """Gradients made in the backward, waiting for their data-parallel average: views of one flat
-    buffer of at most ``capacity`` values (allocated at the first gradient), all-reduced and their
-    layers stepped (``step(layers)``) when the next gradient would not fit, and at ``flush()``. A
-    gradient larger than the bucket is averaged alone."""
+    """Gradients made in the backward, waiting for their data-parallel average: views of a flat buffer of
+    at most ``capacity`` values (allocated at its first gradient). When the next gradient would not fit,
+    the bucket's all-reduce starts in the background and a second buffer takes the gradients that follow;
+    a bucket's layers are stepped (``step(layers)``) once its all-reduce is waited for: at the next launch
+    (so at most one is in flight and the buffers alternate) and at ``flush()``, which launches the last one
+    and waits for everything. A gradient larger than a bucket is averaged alone."""
 
     def __init__(self, capacity: int, group, world_size: int, step):
         self.capacity, self.group, self.world_size, self.step = capacity, group, world_size, step
-        self.flat: torch.Tensor | None = None
-        self.pending: list[tuple] = []
+        self.flats: list[torch.Tensor | None] = [None, None]
+        self.current = 0  # the buffer being filled
+        self.pending: list[tuple] = []  # its (layer, gradient view)s
         self.used = 0
+        self.in_flight: tuple | None = None  # (all-reduce work, the reduced view, its (layer, view)s)
 
     def add(self, layer, g: torch.Tensor) -> None:
         n = g.numel()
-        if self.used + n > self.capacity or (self.flat is not None and self.flat.dtype != g.dtype):
-            self.flush()
+        flat = self.flats[self.current]
+        if self.used + n > self.capacity or (flat is not None and flat.dtype != g.dtype):
+            self._launch()
         if n > self.capacity:
+            self._wait()
             _all_reduce_mean(g, self.group, self.world_size)
             _step_on(self.step, [(layer, g)])
             return
-        if self.flat is None or self.flat.dtype != g.dtype:
-            self.flat = torch.empty(self.capacity, dtype=g.dtype, device=g.device)
-        view = self.flat[self.used : self.used + n].view(g.shape)
+        flat = self.flats[self.current]
+        if flat is None or flat.dtype != g.dtype:
+            flat = self.flats[self.current] = torch.empty(self.capacity, dtype=g.dtype, device=g.device)
+        view = flat[self.used : self.used + n].view(g.shape)
         view.copy_(g)
         self.pending.append((layer, view))
         self.used += n
 
-    def flush(self) -> None:
+    def _launch(self) -> None:
+        """Start the filling bucket's all-reduce (after waiting for the one in flight) and switch buffers."""
+        self._wait()
         if self.pending:
-            _all_reduce_mean(self.flat[: self.used], self.group, self.world_size)
-            _step_on(self.step, self.pending)
+            reduced = self.flats[self.current][: self.used]
+            work = dist.all_reduce(reduced, group=self.group, async_op=True)
+            self.in_flight = (work, reduced, self.pending)
+            self.current ^= 1
         self.pending, self.used = [], 0
+
+    def _wait(self) -> None:
+        if self.in_flight is not None:
+            work, reduced, items = self.in_flight
+            self.in_flight = None
+            work.wait()
+            reduced.div_(self.world_size)
+            _step_on(self.step, items)
+
+    def flush(self) -> None:
+        self._launch()
+        self._wait()
+        self.current = 0  # each step fills the first buffer first: a stage whose gradients fit it needs one
 
 
 def _step_on(step, items) -> None:

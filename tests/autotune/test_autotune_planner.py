@@ -567,7 +567,8 @@ def test_master_free_weights_updated_in_backward_hold_no_gradient_buffer(monkeyp
     clipping: ``master_free_update_in_backward``), a master-free stage holds no gradient buffer for
     them, only a workspace of the buffer's dtype (bf16: half the fp32 dequantization buffer); with two
     micro-batches per step the buffer stays. With replicas the gradients wait for their all-reduce in a
-    bucket: at most ``IN_BACKWARD_BUCKET`` values, at most the stage's own."""
+    bucket holding all of the stage's, or two of ``IN_BACKWARD_BUCKET`` values where they do not fit one
+    (one fills while the other is all-reduced)."""
     from deepspeed_ppq.autotune import planner
     from deepspeed_ppq.autotune.planner import stage_memory
 
@@ -585,12 +586,14 @@ def test_master_free_weights_updated_in_backward_hold_no_gradient_buffer(monkeyp
     assert lean["weights"] - held["weights"] == ws // 2
     assert {x: lean[x] for x in lean if x not in ("gradients", "weights")} == {
         x: held[x] for x in held if x not in ("gradients", "weights")}
-    # two replicas of the one stage: a bucket as large as the stage's gradients holds them all; a
-    # smaller one its own size
+    # two replicas of the one stage: a bucket as large as the stage's gradients holds them all; smaller
+    # ones, two of their size
     dp = PlanningProblem(**{**live.__dict__, "world_size": 2, "global_batch": 8})
     assert stage_memory(dp, one, c, 0)["gradients"] == held["gradients"]
+    monkeypatch.setattr(planner, "IN_BACKWARD_BUCKET", q // 2)
+    assert stage_memory(dp, one, c, 0)["gradients"] == held["gradients"]
     monkeypatch.setattr(planner, "IN_BACKWARD_BUCKET", 1000)
-    assert stage_memory(dp, one, c, 0)["gradients"] == lean["gradients"] + 2 * 1000
+    assert stage_memory(dp, one, c, 0)["gradients"] == lean["gradients"] + 2 * 2 * 1000
 
 
 def test_step_transient_counts_the_parameters_the_engine_steps():
