@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,14 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _harness import machine, machine_line, write_report  # noqa: E402
 
+from deepspeed_ppq.integrations.local_ranks import free_port  # noqa: E402
+
 SCRIPT = ROOT / "examples" / "train_gpt_pipe.py"
 CONFIG = ROOT / "configs" / "ds_cpu_smoke.json"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:
@@ -60,7 +55,8 @@ def main() -> int:
         times = []
         for _ in range(args.runs):
             cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-                   str(_port()), str(SCRIPT), "--deepspeed_config", str(cfg_path), "--steps", str(args.steps)]
+                   str(free_port()), str(SCRIPT), "--deepspeed_config", str(cfg_path),
+                   "--steps", str(args.steps)]
             run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             m = re.search(r"step time: median ([0-9.]+) ms", run.stdout + run.stderr)
             if run.returncode or not m:

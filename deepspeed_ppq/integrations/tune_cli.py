@@ -13,7 +13,6 @@ import copy
 import os
 import runpy
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,8 +21,9 @@ import torch.distributed as dist
 from deepspeed_ppq.config import PPQConfigError, load_ppq_config
 from deepspeed_ppq.integrations.autotune import autotune
 from deepspeed_ppq.integrations.capture import Captured, capturing
+from deepspeed_ppq.integrations.local_ranks import spawn_local
 
-__all__ = ["add_parser", "spawn_local", "settings_flags", "flag_overrides"]
+__all__ = ["add_parser", "settings_flags", "flag_overrides"]
 
 
 def _run_script(script: str, script_args: list[str]) -> dict:
@@ -80,38 +80,6 @@ def flag_overrides(ns, names: list[str]) -> dict:
     if getattr(ns, "budget_mb", None) is not None:
         out["memory_budget"] = int(float(ns.budget_mb) * 2**20)
     return out
-
-
-def spawn_local(argv: list[str], nproc: int, timeout: float = 3600) -> int:
-    """Run ``python -m deepspeed_ppq.cli <argv>`` on ``nproc`` local gloo ranks; returns the exit code."""
-    import socket
-    import subprocess
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for r in range(nproc):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("DS_ACCELERATOR", "cpu")
-        procs.append(subprocess.Popen([sys.executable, "-m", "deepspeed_ppq.cli", *argv], env=env))
-    codes = []
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            codes.append(124)
-        if codes[-1]:  # one rank failed: the others would wait for it forever
-            for q in procs:
-                if q.poll() is None:
-                    q.kill()
-    from deepspeed_ppq.integrations.shm import release_deepspeed_shm
-
-    release_deepspeed_shm(port, "127.0.0.1")
-    return max(codes, key=abs)
 
 
 def _run(ns) -> int:

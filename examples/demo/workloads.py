@@ -33,11 +33,12 @@ import hashlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from deepspeed_ppq.integrations.local_ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_gpt_pipe.py"
@@ -200,10 +201,3 @@ def timed_run(cfg: Path, model: list[str], extra: list[str] = (), steps: int = P
         raise SystemExit(f"the timing run with {cfg} failed (exit {proc.returncode}):\n"
                          + (proc.stdout + proc.stderr)[-3000:])
     return float(found.group(1)) / 1e3
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback interface (a launcher's master port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
