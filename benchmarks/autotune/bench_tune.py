@@ -127,7 +127,33 @@ def sweep_row(budget_mb: float, r: dict, unconstrained: dict | None) -> dict:
             "log": r.get("log", [])}  # why each plan was taken or refused
 
 
-AB_ROUNDS = 3  # alternating rounds of the cross-precision A/B (other_precision_stock)
+AB_ROUNDS = 3  # alternating rounds of the example script's A/Bs (alternating_ab)
+
+
+def alternating_ab(w, b: float, tmp: Path, model: list[str], entries: dict[str, tuple[str, Path]]
+                   ) -> dict[str, list[float]]:
+    """Step times (ms) of the example script with each entry's plan file, ``name -> (precision, plan
+    path)``: ``AB_ROUNDS`` rounds, the entries alternating within each."""
+    times: dict[str, list[float]] = {name: [] for name in entries}
+    for _ in range(AB_ROUNDS):
+        for name, (prec, path) in entries.items():
+            cfg = ds_config(tmp, w, b, plan_file=str(path), precision=prec)
+            times[name].append(timed_run(cfg, model) * 1e3)
+    return times
+
+
+def script_ab_row(row: dict, w, b: float, tmp: Path, model: list[str], r: dict) -> dict:
+    """``row`` with its stock and tuned times from the example script where a plan replaced the stock
+    configuration (``alternating_ab`` of the two plan files): what the user's script runs, in steady steps,
+    where the tuner's A/B times fresh engines in its trials (kept as ``tuner_ab_ms``)."""
+    if "error" in r or r["outcome"] != "tuned" or "cross_precision" in row:
+        return row
+    plans = {"stock": "baseline_plan.json", "tuned": "plan.json"}
+    times = alternating_ab(w, b, tmp, model,
+                           {k: (r["precision"], Path(r["dir"]) / f) for k, f in plans.items()})
+    stock, tuned = (statistics.median(times[k]) for k in ("stock", "tuned"))
+    return {**row, "stock_ms": stock, "tuned_ms": tuned, "speedup": stock / tuned, "script_ab_ms": times,
+            "tuner_ab_ms": {"stock": row["stock_ms"], "tuned": row["tuned_ms"]}}
 
 
 def other_precision_stock(w, b: float, tmp: Path, model: list[str], r: dict,
@@ -163,11 +189,7 @@ def other_precision_stock(w, b: float, tmp: Path, model: list[str], r: dict,
         entries["tuned"] = (r["precision"], Path(r["dir"]) / "plan.json", r["plan"],
                             _peaks_of(r["plan"]["measured_memory"]))
     # otherwise the tuned plan is the chosen precision's stock configuration, timed once as that
-    times: dict[str, list[float]] = {name: [] for name in entries}
-    for _ in range(AB_ROUNDS):
-        for name, (prec, path, _, _) in entries.items():
-            cfg = ds_config(tmp, w, b, plan_file=str(path), precision=prec)
-            times[name].append(timed_run(cfg, model) * 1e3)
+    times = alternating_ab(w, b, tmp, model, {name: e[:2] for name, e in entries.items()})
     return {"precision": other, "fits": True,
             "entries": {name: {"precision": prec, "label": _plan_label(plan), "ms": times[name],
                                "peaks_mb": pk} for name, (prec, _, plan, pk) in entries.items()}}
@@ -196,6 +218,22 @@ def _with_other_precision(row: dict, w, b: float, tmp: Path, model: list[str], r
     if other is None:
         return row
     return cross_precision_row(row, other) if other["fits"] else {**row, "cross_precision": other}
+
+
+def script_ab_lines(rows: list[dict]) -> list[str]:
+    """Per budget where a plan replaced the stock configuration: the example script's A/B
+    (``script_ab_row``) and the tuner's own."""
+    out = [f"- {x['budget_mb']:g} MiB: stock {x['stock_ms']:.0f} ms, tuned {x['tuned_ms']:.0f} ms "
+           f"({x['speedup']:.2f}x; runs {', '.join(f'{t:.0f}' for t in x['script_ab_ms']['stock'])} against "
+           f"{', '.join(f'{t:.0f}' for t in x['script_ab_ms']['tuned'])}); the tuner's A/B "
+           f"{x['tuner_ab_ms']['stock']:.0f} against {x['tuner_ab_ms']['tuned']:.0f} ms "
+           f"({x['tuner_ab_ms']['stock'] / x['tuner_ab_ms']['tuned']:.2f}x)"
+           for x in rows if "script_ab_ms" in x]
+    if out:
+        out = ["", "Where a plan replaced the stock configuration, the row's times are the example script's: "
+               f"medians of {AB_ROUNDS} alternating runs with each plan file (steady steps; the tuner's own "
+               "A/B times fresh engines in its trials):", "", *out]
+    return out
 
 
 def cross_precision_lines(rows: list[dict]) -> list[str]:
@@ -360,9 +398,15 @@ def _markdown(w, m: dict, ladder: dict | None, rows: list[dict], budget_ref: flo
         if alone:
             md.append(f"Where no stock configuration fits ({', '.join(f'{b:g}' for b in alone)} MiB) "
                       "only the low-bit plan trains.")
+        md += script_ab_lines(rows)
         md += cross_precision_lines(rows)
         md += why_stock_stays(rows)
     return "\n".join(md) + "\n"
+
+
+def _tuner_stock_ms(row: dict) -> float:
+    """The row's stock time as the tuner's trials measured it (``script_ab_row`` keeps it apart)."""
+    return row.get("tuner_ab_ms", {}).get("stock", row["stock_ms"])
 
 
 def unconstrained_lines(unconstrained: dict, rows: list[dict]) -> str:
@@ -373,7 +417,8 @@ def unconstrained_lines(unconstrained: dict, rows: list[dict]) -> str:
     out = f"\nFastest stock configuration with no budget: {_plan_label(unconstrained)}"
     if not t:
         return out + ".\n"
-    ceil = ", ".join(f"{x['budget_mb']:g} MiB {x['stock_ms'] / (t * 1e3):.2f}x"
+    # the tuner's stock times where the row's are the script's: the unconstrained time is a tuner trial's
+    ceil = ", ".join(f"{x['budget_mb']:g} MiB {_tuner_stock_ms(x) / (t * 1e3):.2f}x"
                      for x in rows if "stock_ms" in x)
     return (out + f", {t * 1e3:.0f} ms. Best stock time over it, per budget (what the compromise costs stock "
             f"DeepSpeed there, the gain a plan that only bought its schedule back would make): {ceil}.\n")
@@ -469,8 +514,9 @@ def main() -> int:
                 reuse = ladder_ok and b == w.budget_mb  # the ladder's tune is this budget's
                 r = ladder if reuse else _tune(w, b, Path(tmp) / f"b{b:g}", model, {"ladder": False},
                                                 precision["chosen"])
-                rows.append(_with_other_precision(sweep_row(b, r, unconstrained), w, b, Path(tmp), model,
-                                                  r, precision))
+                row = _with_other_precision(sweep_row(b, r, unconstrained), w, b, Path(tmp), model, r,
+                                            precision)
+                rows.append(script_ab_row(row, w, b, Path(tmp), model, r))
                 print(json.dumps(rows[-1]), flush=True)
                 # the sweep goes down to where only the smallest stock configuration fits (micro-batch 1
                 # with recomputation, say): where the lowest budget's baseline is still a larger one, one
@@ -482,7 +528,7 @@ def main() -> int:
                                precision["chosen"])
                     row = sweep_row(floor, rf, unconstrained)
                     row = _with_other_precision(row, w, floor, Path(tmp), model, rf, precision)
-                    rows.append({**row, "floor": True})
+                    rows.append({**script_ab_row(row, w, floor, Path(tmp), model, rf), "floor": True})
                     print(json.dumps(rows[-1]), flush=True)
         md = _markdown(w, m, ladder, rows, w.budget_mb, loadavg(), _other_flags(sys.argv[1:]), precision)
         if unconstrained is not None:
