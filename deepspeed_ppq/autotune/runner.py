@@ -113,7 +113,8 @@ class TrialResult:
     """A plan trained for a few steps on the real engine.
 
     Attributes:
-        step_times: seconds per step (the slowest rank), warm-up steps included.
+        step_times: seconds per step (the slowest rank; the steps run back to back, as in training),
+            warm-up steps included.
         warmup_steps: how many of ``step_times`` are warm-up.
         val_loss: mean validation loss after the trial's steps.
         stages: per-stage measurements.
