@@ -38,6 +38,7 @@ process keeps one dense buffer per compute dtype and device, as large as its lar
 from __future__ import annotations
 
 import math
+import weakref
 import zlib
 
 import torch
@@ -104,7 +105,10 @@ class DequantLinearFunction(torch.autograd.Function):
         w = _dequantized(layer, x.dtype)
         b = bias.to(x.dtype) if bias is not None else None
         y = F.linear(x, w, b)
-        ctx.layer = layer
+        # a weak reference: the graph is held from C++, where the garbage collector does not see it, so a
+        # strong one made a cycle (layer -> ... -> the loss -> the graph -> ctx -> layer) it never freed:
+        # every model built and dropped in one process (the tuner's trials) stayed in memory, engine and all
+        ctx.layer = weakref.ref(layer)
         ctx.version = layer.quant_version
         ctx.has_bias = bias is not None
         ctx.x_meta = None
@@ -119,7 +123,10 @@ class DequantLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        layer = ctx.layer
+        layer = ctx.layer()
+        if layer is None:
+            raise RuntimeError("QuantLinear: the layer was freed between forward and backward; keep the "
+                               "model alive until its backward has run")
         if layer.quant_version != ctx.version:
             raise RuntimeError(
                 "QuantLinear: the compute weight was re-quantized between forward and backward "

@@ -182,6 +182,33 @@ def test_requantize_between_forward_and_backward_is_an_error():
         y.sum().backward()
 
 
+@pytest.mark.parametrize("master", ["fp32", "none"])
+def test_a_dropped_model_is_freed_while_its_loss_holds_the_graph(master):
+    """A training engine keeps the last loss (and with it the graph) and the model, and the model reaches
+    the engine again (hooks, a master-free layer's update): the graph must not hold the layer, or the
+    garbage collector, which does not see the graph's C++ edges, never frees the cycle."""
+    import gc
+    import weakref
+
+    layer = _layer("int8", master=master)
+    holder = nn.Module()
+    holder.layer = layer
+    holder.loss = layer(torch.randn(2, 70)).sum()  # the graph, kept as an engine keeps its loss
+    layer.owner = holder  # the cycle back
+    alive = weakref.ref(layer)
+    del layer, holder
+    gc.collect()
+    assert alive() is None
+
+
+def test_backward_after_the_layer_is_freed_is_an_error():
+    layer = _layer("int8")
+    y = layer(torch.randn(2, 70))
+    del layer
+    with pytest.raises(RuntimeError, match="freed between forward and backward"):
+        y.sum().backward()
+
+
 @pytest.mark.parametrize("kind", ["adam", "adam8bit"])
 def test_step_hook_requantizes_from_the_master(kind):
     layer = _layer("int8", in_f=128, out_f=64)  # 8192 values: bnb keeps 8-bit states from 4096
