@@ -235,6 +235,7 @@ class DeepSpeedRunner:
         if torch.cuda.is_available():  # the device allocator's peak, per trial
             torch.cuda.reset_peak_memory_stats()
         torch.manual_seed(1234 + seed)
+        groups_before = set(_process_groups())  # the PipelineModule makes its grid's
         module = plan_module(plan, self._trial_specs(), self.loss_fn, self.weights.model_dump(mode="json"),
                              self.block_layers, seed_layers=True, base_seed=1234 + seed)
         optimizer = self._optimizer([p for p in module.parameters() if p.requires_grad], plan.optimizer_8bit)
@@ -321,6 +322,10 @@ class DeepSpeedRunner:
         dist.all_gather_object(gathered, mine)
         engine = module = optimizer = tracker = None  # free this trial before the next one is built
         gc.collect()
+        # and the process groups its engine made (DeepSpeed makes its grid's afresh for every engine): each
+        # held its connections and threads (gloo: ~15 threads a trial) for the rest of the tuning run
+        for pg in set(_process_groups()) - groups_before:
+            dist.destroy_process_group(pg)
         stages = []
         for s in range(plan.pipeline_degree):
             rs = [r for r in gathered if r["stage"] == s]
@@ -332,6 +337,13 @@ class DeepSpeedRunner:
         for r in gathered:
             wire.update(r["wire"])
         return TrialResult(step_times, settings.warmup_steps, float(val), stages, wire)
+
+
+def _process_groups() -> list:
+    """The process groups this rank holds, the default one aside."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return [pg for pg in c10d._world.pg_map if pg is not c10d._world.default_pg]
 
 
 def _engine_tensors(engine) -> list[torch.Tensor]:

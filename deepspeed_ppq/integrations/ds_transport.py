@@ -10,6 +10,7 @@ into again, its previous send is waited for, and a schedule ends with nothing in
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from deepspeed import comm as dist
@@ -46,6 +47,8 @@ class TransportMixin:
             from deepspeed_ppq.integrations.watchdog import Watchdog
 
             self._watch = Watchdog(self.ppq.watchdog_timeout_s, self.stage_id, self.global_rank)
+            # its thread stops with the engine (one process may build many: the tuner's trials)
+            weakref.finalize(self, self._watch.close)
 
     def _buffer(self, key: tuple, shape, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         buf = self._payload_bufs.get(key)
