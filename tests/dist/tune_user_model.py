@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 
 import deepspeed
 import torch
@@ -190,6 +191,12 @@ def summary(result_dir: str) -> dict:
                        for st in data["baseline"]["run"]["stages"]]}
 
 
+def _group_count() -> int:
+    from torch.distributed import distributed_c10d as c10d
+
+    return len(c10d._world.pg_map)
+
+
 def main() -> None:
     model_name, out = sys.argv[1], sys.argv[2]
     deepspeed.init_distributed(dist_backend="gloo")
@@ -222,8 +229,12 @@ def main() -> None:
         d = os.path.join(out, name)
         config = ds_config(d, budget)
         model = PipelineModule(layers=specs, num_stages=2, loss_fn=loss)
+        groups = _group_count()
         plan = deepspeed_ppq.autotune(model, None, data, val, config)
         result[name] = summary(d)
+        # what the tuning left behind: its trials' process groups and watchdog threads
+        result[name]["groups_added"] = _group_count() - groups
+        result[name]["watchdog_threads"] = sum(t.name.startswith("ppq-watchdog") for t in threading.enumerate())
         result[name]["budget"] = budget
         result[name]["plan"] = plan.to_dict()
         result[name]["fresh"] = fresh_run(specs, loss, data, config, os.path.join(d, "plan.json"))
