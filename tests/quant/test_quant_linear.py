@@ -9,7 +9,9 @@ test process never holds a process group.
 from __future__ import annotations
 
 import copy
+import gc
 import sys
+import weakref
 
 import pytest
 import torch
@@ -187,9 +189,6 @@ def test_a_dropped_model_is_freed_while_its_loss_holds_the_graph(master):
     """A training engine keeps the last loss (and with it the graph) and the model, and the model reaches
     the engine again (hooks, a master-free layer's update): the graph must not hold the layer, or the
     garbage collector, which does not see the graph's C++ edges, never frees the cycle."""
-    import gc
-    import weakref
-
     layer = _layer("int8", master=master)
     holder = nn.Module()
     holder.layer = layer
