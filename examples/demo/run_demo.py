@@ -102,9 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     model = script_args(w, out / "pretrain.log")
     precision = args.precision
     if precision == "auto":
-        precision, probe = choose_precision(w, model, out)
+        precision, probe = choose_precision(w, model, out, stop_slower=True)
         print(f"precision: {precision} (the faster stock run on this machine: "
-              + ", ".join(f"{k} {v * 1e3:.1f} ms per step" for k, v in probe.items()) + ")", flush=True)
+              + ", ".join(f"{k} {v * 1e3:.1f} ms per step" if v is not None else
+                          f"{k} stopped at twice the first run's time" for k, v in probe.items()) + ")",
+              flush=True)
     cfg = ds_config(out, w, budget, precision=precision)
     _run([sys.executable, "-m", "deepspeed_ppq.cli", "tune", str(SCRIPT), "--deepspeed_config", str(cfg),
           *model, "--out", str(out / "tune")], out / "tune.log")

@@ -33,8 +33,10 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,7 +160,8 @@ PRECISIONS = ("fp32", "bf16")
 PROBE_STEPS = 12  # steps of each precision's timing run (the script's median skips the first 2)
 
 
-def choose_precision(w: Workload, model: list[str], out: Path) -> tuple[str, dict[str, float]]:
+def choose_precision(w: Workload, model: list[str], out: Path,
+                     stop_slower: bool = False) -> tuple[str, dict[str, float | None]]:
     """The precision a skilled DeepSpeed user trains the workload in on this machine: the faster of fp32
     and DeepSpeed's bf16 mode, measured. Each runs the example script's fastest stock configuration with
     no budget (one stage, data parallel over the 2 ranks, micro-batch 8, no recomputation: the stock
@@ -166,12 +169,23 @@ def choose_precision(w: Workload, model: list[str], out: Path) -> tuple[str, dic
     times decide. Where the CPU multiplies bf16 natively (AVX-512 BF16, AMX) bf16 runs about twice as
     fast; elsewhere it is emulated and fp32 wins. Both sides of every comparison then train in it.
 
+    ``stop_slower``: a run still going after twice the first one's whole run is stopped and loses (the
+    demo's choice: emulated bf16 ran 23x slower than fp32 on an AVX2 CPU, 93 s against 23 s). Since
+    both runs start the same way, its steps are then slower than the first's: ``2 (S + n f) < S + n b``
+    for a start-up ``S`` and ``n`` steps of ``f`` and ``b`` seconds gives ``b > f``.
+
     Returns:
-        The precision and each one's median step time in seconds.
+        The precision and each one's median step time in seconds (None: stopped, slower).
     """
-    times = {p: timed_run(ds_config(out, w, 1 << 20, precision=p), model, ["--num-stages", "1"])
-             for p in PRECISIONS}
-    return min(times, key=times.get), times
+    times: dict[str, float | None] = {}
+    first_wall = None
+    for p in PRECISIONS:
+        limit = 2 * first_wall if stop_slower and first_wall is not None else None
+        t0 = time.perf_counter()
+        times[p] = timed_run(ds_config(out, w, 1 << 20, precision=p), model, ["--num-stages", "1"],
+                             timeout=limit)
+        first_wall = first_wall or time.perf_counter() - t0
+    return min((p for p in times if times[p] is not None), key=times.get), times
 
 
 def launch_cmd(cfg: Path, model: list[str], extra: list[str] = (), steps: int = PROBE_STEPS) -> list[str]:
@@ -188,16 +202,25 @@ def script_env() -> dict[str, str]:
     return dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), PYTHONPATH=str(ROOT))
 
 
-def timed_run(cfg: Path, model: list[str], extra: list[str] = (), steps: int = PROBE_STEPS) -> float:
-    """The example script's median step time (seconds) from ``launch_cmd(cfg, model, extra, steps)``."""
+def timed_run(cfg: Path, model: list[str], extra: list[str] = (), steps: int = PROBE_STEPS,
+              timeout: float | None = None) -> float | None:
+    """The example script's median step time (seconds) from ``launch_cmd(cfg, model, extra, steps)``;
+    None if it ran past ``timeout`` seconds (the launcher and its ranks are then stopped)."""
     # one intra-op thread per rank, as ``ppq tune``'s trials (2 ranks of 2 threads on 2 cores had slowed
     # the fp32 run 2.3x and the bf16 run hardly at all)
     env = script_env()
     env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(launch_cmd(cfg, model, extra, steps), capture_output=True, text=True, env=env,
-                          cwd=ROOT)
-    found = re.search(r"step time: median ([0-9.]+) ms", proc.stdout)
+    # a session of its own: on a timeout the launcher's rank processes go with it
+    proc = subprocess.Popen(launch_cmd(cfg, model, extra, steps), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None
+    found = re.search(r"step time: median ([0-9.]+) ms", stdout)
     if proc.returncode or found is None:
         raise SystemExit(f"the timing run with {cfg} failed (exit {proc.returncode}):\n"
-                         + (proc.stdout + proc.stderr)[-3000:])
+                         + (stdout + stderr)[-3000:])
     return float(found.group(1)) / 1e3

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,38 @@ def test_budget_below_every_stock_configuration(tmp_path):
     report = (tmp_path / "tune" / "report.md").read_text()
     assert "**Stock DeepSpeed cannot train at this budget**" in report.split("## Stock search")[0]
     assert "step time: median" in (tmp_path / "train.log").read_text()
+
+
+@pytest.mark.distributed
+def test_a_timing_run_stopped_at_its_timeout_takes_its_ranks_with_it(tmp_path):
+    """``choose_precision(stop_slower=True)`` stops the slower precision's run: the launcher and both
+    rank processes must go (a run of a million steps here: it never ends by itself), or the call would
+    wait on their output and they would hold the cores through the rest of the demo."""
+    sys.path[:0] = [str(ROOT / "examples" / "demo"), str(ROOT / "examples")]
+    try:
+        import workloads
+    finally:
+        del sys.path[:2]
+    w = workloads.settings("pretrain", quick=True)  # no pre-trained base to build
+    cfg = workloads.ds_config(tmp_path, w, 1 << 20)
+
+    def alive() -> list[int]:
+        found = []
+        for p in Path("/proc").iterdir():
+            try:
+                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:  # gone meanwhile, or not a process
+                continue
+            if str(cfg) in cmd:
+                found.append(int(p.name))
+        return found
+
+    result = []
+    call = threading.Thread(target=lambda: result.append(
+        workloads.timed_run(cfg, list(w.model), steps=10**6, timeout=4.0)), daemon=True)
+    call.start()
+    call.join(timeout=300)
+    left = alive()
+    for pid in left:  # clean up after a failure
+        os.kill(pid, signal.SIGKILL)
+    assert result == [None] and left == []
