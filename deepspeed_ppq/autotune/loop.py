@@ -673,7 +673,7 @@ def _measure_ladder(t: _Tuning, stock: _StockSearch, res: _Outcome, accepted: tu
             continue
         previous = rung
         t.stamp(rung)
-        if rung is accepted[0]:
+        if same_configuration(rung, accepted[0]):  # the tuned plan's own trial and quality run
             run = dict(accepted[1])
         else:
             run = summarize(rung, t.runner.run_trial(rung, t.settings, seed=0))

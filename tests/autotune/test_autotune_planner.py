@@ -740,7 +740,7 @@ def test_ladder_says_which_rungs_it_leaves_out():
     why there is no codec rung. (Trials scripted: the rungs' configurations are what is checked.)"""
     from types import SimpleNamespace
 
-    from deepspeed_ppq.autotune.loop import _measure_ladder, _Tuning, summarize
+    from deepspeed_ppq.autotune.loop import _measure_ladder, _Tuning, same_configuration, summarize
     from deepspeed_ppq.config import AutotuneConfig
 
     prob, partitions, base, tuned = _fewer_stages_case()
@@ -751,12 +751,18 @@ def test_ladder_says_which_rungs_it_leaves_out():
         return SimpleNamespace(stages=stages, step_time=0.1, step_times=[0.1], val_loss=1.0, peak_memory=1,
                                wire={})
 
-    t = _Tuning(SimpleNamespace(log=lambda msg: None, run_trial=trial), AutotuneConfig(ab_repeats=0),
-                global_batch=8, profile=SimpleNamespace(threads_per_rank=1))
-    t.quality = lambda plan, seed: 1.0
+    measured = []
+    t = _Tuning(SimpleNamespace(log=lambda msg: None, run_trial=lambda plan, *a, **k: measured.append(plan)
+                                or trial(plan, None)),
+                AutotuneConfig(ab_repeats=0), global_batch=8, profile=SimpleNamespace(threads_per_rank=1))
+    t.quality = lambda plan, seed: measured.append(plan) or 1.0
     res = SimpleNamespace(base=base, base_run=summarize(base, trial(base, None)))
-    ladder, left_out = _measure_ladder(t, SimpleNamespace(problem=prob, partitions=partitions), res,
-                                       (tuned, summarize(tuned, trial(tuned, None))), [1.0])
+    accepted = (tuned, {**summarize(tuned, trial(tuned, None)), "quality_val_loss": 0.9})
+    ladder, left_out = _measure_ladder(t, SimpleNamespace(problem=prob, partitions=partitions), res, accepted,
+                                       [1.0])
+    # the fill rung runs as the tuned plan: its trial and quality run are the tuned plan's, not run again
+    assert len(measured) == 2 and not same_configuration(measured[0], tuned)
+    assert ladder[-1]["run"]["quality_val_loss"] == 0.9
     assert [rec["rung"] for rec in ladder] == [
         "best stock configuration", "+ low-bit weights and optimizer states at the stock schedule",
         "+ freed memory spent on fill (2 -> 1 pipeline stages, micro-batches, recomputation) "
