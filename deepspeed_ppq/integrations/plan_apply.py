@@ -139,7 +139,7 @@ def apply_plan(plan: Plan | str, model, optimizer, ds_config: dict, args=None):
     else:
         new = plan_module(plan, list(model._layer_specs), model.loss_fn, weights,
                           getattr(model, "block_layers", None), seed_layers=model.seed_layers,
-                          base_seed=model.base_seed)
+                          base_seed=model.base_seed, seed_fn=model.seed_fn)
     weights = {**{k: v for k, v in weights.items() if k not in ("format", "rules")},
                **plan.ppq_section()["weights"]}
     kind, hp = _hyper(optimizer, ds_config)
