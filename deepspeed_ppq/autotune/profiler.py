@@ -36,8 +36,8 @@ from deepspeed_ppq.autotune.costs import DEFAULT_LINK, CodecOption, LayerProfile
 from deepspeed_ppq.schedule import LinkModel
 
 __all__ = [
-    "profile_layers", "profile_codecs", "measure_link", "optimizer_costs", "profile_key", "load_cached",
-    "save_cache", "save_profile",
+    "profile_layers", "merge_sizes", "profile_codecs", "measure_link", "optimizer_costs", "profile_key",
+    "load_cached", "save_cache", "save_profile",
 ]
 
 
@@ -307,6 +307,23 @@ def profile_layers(
             )
         )
     return profiles
+
+
+def merge_sizes(parts: Sequence[list[LayerProfile]]) -> list[LayerProfile]:
+    """One profile from ``profile_layers`` runs of the same layers at different micro-batch sizes (the
+    ranks of a tuning run each measure their own sizes): the first part's size-independent fields (saved,
+    weight, workspace and I/O bytes, quantization error: ``profile_layers`` measures them at its first
+    size, so the first part must hold the smallest), every part's times and peaks."""
+    merged = copy.deepcopy(list(parts[0]))
+    for part in parts[1:]:
+        if len(part) != len(merged):
+            raise ValueError(f"a profile part has {len(part)} layers, the first {len(merged)}")
+        for mine, other in zip(merged, part):
+            for fmt, by_size in other.times.items():
+                mine.times.setdefault(fmt, {}).update(by_size)
+            for fmt, by_size in other.peak_bytes.items():
+                mine.peak_bytes.setdefault(fmt, {}).update(by_size)
+    return merged
 
 
 def profile_codecs(

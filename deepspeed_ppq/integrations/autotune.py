@@ -155,7 +155,9 @@ class DeepSpeedRunner:
         return deepspeed_partitions(counts, pipeline_degree, self.block_layers, block)
 
     def profile(self, settings) -> Profile:
-        """Profile on rank 0 (the others wait), with the link measured between rank pairs."""
+        """Profile the layers with the ranks sharing the micro-batch sizes (rank ``r`` measures the
+        ``r``-th, ``r + world``-th, ... timed size; rank 0 merges and adds the codecs and optimizer costs),
+        then the link between rank pairs. A profile cached on rank 0 is measured by none."""
         fmts = [getattr(f, "value", f) for f in settings.formats]
         gb = settings.global_batch or self.ds_config.get("train_batch_size") or 8
         from deepspeed_ppq.autotune.loop import default_micro_batch_sizes
@@ -166,9 +168,10 @@ class DeepSpeedRunner:
                   for c in [*settings.activation_codecs, *settings.gradient_codecs]}
         payload = None
         bf16 = _bf16_mode(self.ds_config)
+        grad_dtype = settings.master_free_grad_dtype
+        mine = timed[self.rank::self.world_size]  # the micro-batch sizes this rank measures
+        layers = build_layers(self.specs) if self.rank == 0 else None  # the cache key's
         if self.rank == 0:
-            layers = build_layers(self.specs)
-            grad_dtype = settings.master_free_grad_dtype
             key = profiler.profile_key(layers, mbs=timed, formats=fmts, reps=settings.profile_reps,
                                        weights=self.weights.model_dump(mode="json"), codecs=sorted(codecs),
                                        master_free_grad_dtype=grad_dtype, bf16_mode=bf16)
@@ -182,13 +185,19 @@ class DeepSpeedRunner:
 
                     warnings.warn(f"profile cache {settings.profile_cache} does not hold a usable profile "
                                   f"({type(e).__name__}: {e}); measuring again", stacklevel=2)
-            if payload is None:
-                def make_batch(b):
-                    return _stack([self.train_data[i][:2] for i in range(b)])
+        if self.share(payload is None):  # not cached: every rank measures its share of the sizes
+            def make_batch(b):
+                return _stack([self.train_data[i][:2] for i in range(b)])
 
-                dtype = torch.bfloat16 if bf16 else torch.float32
-                lprof = profiler.profile_layers(layers, self.kinds, make_batch, self.loss_fn, self.weights,
-                                                fmts, timed, reps=settings.profile_reps, dtype=dtype)
+            dtype = torch.bfloat16 if bf16 else torch.float32
+            if layers is None and mine:
+                layers = build_layers(self.specs)
+            part = profiler.profile_layers(layers, self.kinds, make_batch, self.loss_fn, self.weights, fmts,
+                                           mine, reps=settings.profile_reps, dtype=dtype) if mine else None
+            parts = [None] * self.world_size
+            dist.all_gather_object(parts, part)
+            if self.rank == 0:
+                lprof = profiler.merge_sizes([p for p in parts if p is not None])  # rank 0 holds the smallest
                 boundary = max(lprof[:-1], key=lambda lp: lp.output_bytes) if len(lprof) > 1 else lprof[0]
                 shape = (mbs[-1], max(1, boundary.output_bytes // dtype.itemsize))
                 prof = Profile(layers=lprof, codecs=profiler.profile_codecs(list(codecs.values()), shape),
