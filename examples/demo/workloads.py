@@ -211,15 +211,18 @@ def timed_run(cfg: Path, model: list[str], extra: list[str] = (), steps: int = P
     # the fp32 run 2.3x and the bf16 run hardly at all)
     env = script_env()
     env.setdefault("OMP_NUM_THREADS", "1")
-    # a session of its own: on a timeout the launcher's rank processes go with it
+    # a session of its own, so that the launcher's rank processes can be stopped with it; the terminal's
+    # Ctrl-C then no longer reaches them, so an interrupt stops them here too
     proc = subprocess.Popen(launch_cmd(cfg, model, extra, steps), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except BaseException as e:  # the timeout, or an interrupt
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        return None
+        if isinstance(e, subprocess.TimeoutExpired):
+            return None
+        raise
     found = re.search(r"step time: median ([0-9.]+) ms", stdout)
     if proc.returncode or found is None:
         raise SystemExit(f"the timing run with {cfg} failed (exit {proc.returncode}):\n"

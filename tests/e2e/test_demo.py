@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -74,36 +75,72 @@ def test_budget_below_every_stock_configuration(tmp_path):
     assert "step time: median" in (tmp_path / "train.log").read_text()
 
 
-@pytest.mark.distributed
-def test_a_timing_run_stopped_at_its_timeout_takes_its_ranks_with_it(tmp_path):
-    """``choose_precision(stop_slower=True)`` stops the slower precision's run: the launcher and both
-    rank processes must go (a run of a million steps here: it never ends by itself), or the call would
-    wait on their output and they would hold the cores through the rest of the demo."""
+def _workloads():
     sys.path[:0] = [str(ROOT / "examples" / "demo"), str(ROOT / "examples")]
     try:
         import workloads
     finally:
         del sys.path[:2]
+    return workloads
+
+
+def _processes_with(text: str) -> list[int]:
+    found = []
+    for p in Path("/proc").iterdir():
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # gone meanwhile, or not a process
+            continue
+        if text in cmd:
+            found.append(int(p.name))
+    return found
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:  # clean up after a failure
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.distributed
+def test_a_timing_run_stopped_at_its_timeout_takes_its_ranks_with_it(tmp_path):
+    """``choose_precision(stop_slower=True)`` stops the slower precision's run: the launcher and both
+    rank processes must go (a run of a million steps here: it never ends by itself), or the call would
+    wait on their output and they would hold the cores through the rest of the demo."""
+    workloads = _workloads()
     w = workloads.settings("pretrain", quick=True)  # no pre-trained base to build
     cfg = workloads.ds_config(tmp_path, w, 1 << 20)
-
-    def alive() -> list[int]:
-        found = []
-        for p in Path("/proc").iterdir():
-            try:
-                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:  # gone meanwhile, or not a process
-                continue
-            if str(cfg) in cmd:
-                found.append(int(p.name))
-        return found
-
     result = []
     call = threading.Thread(target=lambda: result.append(
         workloads.timed_run(cfg, list(w.model), steps=10**6, timeout=4.0)), daemon=True)
     call.start()
     call.join(timeout=300)
-    left = alive()
-    for pid in left:  # clean up after a failure
-        os.kill(pid, signal.SIGKILL)
+    left = _processes_with(str(cfg))
+    _kill_all(left)
     assert result == [None] and left == []
+
+
+@pytest.mark.distributed
+def test_an_interrupted_timing_run_takes_its_ranks_with_it(tmp_path):
+    """The timing run's processes have a session of their own (so a timeout can stop them all), which
+    the terminal's Ctrl-C no longer reaches: an interrupt of the demo must stop them too."""
+    code = "\n".join([
+        "import sys", "from pathlib import Path", "sys.path[:0] = sys.argv[1:3]", "import workloads",
+        "w = workloads.settings('pretrain', quick=True)",
+        "cfg = workloads.ds_config(Path(sys.argv[3]), w, 1 << 20)",
+        "workloads.timed_run(cfg, list(w.model), steps=10**6)"])
+    cfg = str(tmp_path / "ds_tune.json")
+    paths = [str(ROOT / "examples" / "demo"), str(ROOT / "examples"), str(tmp_path)]
+    demo = subprocess.Popen([sys.executable, "-c", code, *paths], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                            cwd=ROOT)
+    for _ in range(600):  # until the launcher has started its ranks
+        if len(_processes_with(cfg)) >= 3:
+            break
+        time.sleep(0.1)
+    demo.send_signal(signal.SIGINT)
+    demo.wait(timeout=120)
+    left = _processes_with(cfg)
+    _kill_all(left)
+    assert left == []
