@@ -33,6 +33,7 @@ from workloads import (  # noqa: E402
     PRECISIONS,
     ROOT,
     SCRIPT,
+    STOP_SLOWER,
     WORKLOADS,
     choose_precision,
     ds_config,
@@ -105,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         precision, probe = choose_precision(w, model, out, stop_slower=True)
         print(f"precision: {precision} (the faster stock run on this machine: "
               + ", ".join(f"{k} {v * 1e3:.1f} ms per step" if v is not None else
-                          f"{k} stopped at twice the first run's time" for k, v in probe.items()) + ")",
-              flush=True)
+                          f"{k} stopped at {STOP_SLOWER}x the first run's time" for k, v in probe.items())
+              + ")", flush=True)
     cfg = ds_config(out, w, budget, precision=precision)
     _run([sys.executable, "-m", "deepspeed_ppq.cli", "tune", str(SCRIPT), "--deepspeed_config", str(cfg),
           *model, "--out", str(out / "tune")], out / "tune.log")
