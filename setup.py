@@ -10,7 +10,8 @@
   the widest the CPU runs (or the one ``PPQ_CPU_ISA`` names), so no module with instructions the CPU
   lacks is ever loaded. See csrc/README.md.
 * The CUDA extension (``deepspeed_ppq._C_cuda``: every ``csrc/cuda/*.cu`` plus the thin
-  ``csrc/cuda/*_binding.cpp`` files) is built only where PyTorch has CUDA.
+  ``csrc/cuda/*_binding.cpp`` files) is built only where PyTorch has CUDA, for the GPUs that
+  ``TORCH_CUDA_ARCH_LIST`` names (default: those visible at build time; sm_80 and sm_90 where none is).
 * ``PPQ_SKIP_NATIVE=1`` skips both; the package then runs on its plain-PyTorch reference kernels.
 * ``PPQ_MARCH=<arch>`` (opt-in, e.g. ``native``) builds one CPU module, ``deepspeed_ppq._C_native``,
   with ``-march=<arch>`` instead of the four above; its kernels take the widest path that arch
@@ -87,6 +88,10 @@ def _native_extensions():
         for isa, flags in _cpu_variants().items()
     ]
     if torch.version.cuda is not None and os.environ.get("PPQ_SKIP_CUDA", "0") != "1":
+        # The GPUs to build for: TORCH_CUDA_ARCH_LIST as PyTorch reads it ("9.0", "8.0;9.0+PTX"); unset,
+        # the GPUs visible at build time, or sm_80 and sm_90 where none is (a login node building for them).
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and torch.cuda.device_count() == 0:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
         cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
         exts.append(
             CUDAExtension(
@@ -95,12 +100,7 @@ def _native_extensions():
                 include_dirs=[os.path.join(ROOT, "csrc")],
                 extra_compile_args={
                     "cxx": ["-O3", "-std=c++20"],
-                    "nvcc": [
-                        "-O3",
-                        "-std=c++17",
-                        "-gencode=arch=compute_80,code=sm_80",
-                        "-gencode=arch=compute_90,code=sm_90",
-                    ],
+                    "nvcc": ["-O3", "-std=c++17"],
                 },
             )
         )
