@@ -38,7 +38,7 @@ demo: setup
 
 # Every benchmark, each against its baseline in the same run; results land in benchmarks/results/.
 # They take long on a small CPU machine and want a quiet one (check `uptime`).
-BENCHES := ops/bench_weights.py quant/bench_adam8bit.py quant/bench_master_free.py p2p/bench_codecs.py \
+BENCHES := ops/bench_weights.py quant/bench_adam8bit.py quant/bench_master_free.py p2p/bench_codecs.py e2e/bench_seed_layer.py \
            sim/bench_simulator.py autotune/bench_planner.py p2p/bench_pipeline_comm.py sim/validate_runtime.py \
            autotune/bench_tune.py e2e/bench_quality.py
 
