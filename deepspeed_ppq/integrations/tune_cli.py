@@ -28,8 +28,6 @@ __all__ = ["add_parser", "settings_flags", "flag_overrides"]
 
 def _run_script(script: str, script_args: list[str]) -> dict:
     path = Path(script).resolve()
-    if not path.is_file():
-        raise SystemExit(f"ppq tune: script {script} does not exist")
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(path), *script_args]
     sys.path.insert(0, str(path.parent))
@@ -83,6 +81,8 @@ def flag_overrides(ns, names: list[str]) -> dict:
 
 
 def _run(ns) -> int:
+    if not Path(ns.script).is_file():  # before any rank starts
+        raise SystemExit(f"ppq tune: script {ns.script} does not exist")
     names = ns.setting_names
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--budget-mb", dest="budget_mb", type=float)
