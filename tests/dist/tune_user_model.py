@@ -20,6 +20,7 @@ run's measured peak, boundaries and losses.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -29,6 +30,7 @@ import deepspeed
 import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.engine import DeepSpeedEngine
 from dist_utils import write_result
 from torch import nn
 
@@ -235,6 +237,8 @@ def main() -> None:
         # what the tuning left behind: its trials' process groups and watchdog threads
         result[name]["groups_added"] = _group_count() - groups
         result[name]["watchdog_threads"] = sum(t.name.startswith("ppq-watchdog") for t in threading.enumerate())
+        gc.collect()
+        result[name]["engines_alive"] = sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects())
         result[name]["budget"] = budget
         result[name]["plan"] = plan.to_dict()
         result[name]["fresh"] = fresh_run(specs, loss, data, config, os.path.join(d, "plan.json"))

@@ -27,8 +27,8 @@ def _check_fresh_run(case: dict) -> None:
     assert all(x == x and x < 1e4 for x in fresh["losses"])  # finite
     assert fresh["peak"]["total"] <= case["budget"] * (1 + TOLERANCE), (fresh["peak"], case["budget"])
     assert plan["model_fingerprint"]["num_layers"] == len(plan["layer_names"])
-    # the trials' engines went with their process groups and watchdog threads
-    assert case["groups_added"] == 0 and case["watchdog_threads"] == 0, case
+    # the trials' engines went, with their process groups and watchdog threads
+    assert case["engines_alive"] == 0 and case["groups_added"] == 0 and case["watchdog_threads"] == 0, case
 
 
 def _check_report(out: Path) -> None:
