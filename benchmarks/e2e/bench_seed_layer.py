@@ -20,8 +20,8 @@ Results: benchmarks/results/bench_seed_layer.{json,md}.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
-import socket
 import statistics
 import sys
 import time
@@ -31,14 +31,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _harness import machine, time_against, write_results  # noqa: E402
 
+from deepspeed_ppq.integrations.local_ranks import free_port  # noqa: E402
 from deepspeed_ppq.integrations.pipe_module import PPQPipelineModule, seed_layer  # noqa: E402
 from deepspeed_ppq.models.gpt import GPTConfig, gpt_layers, gpt_loss  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bench_call(calls: int, reps: int) -> dict:
@@ -52,25 +47,18 @@ def bench_call(calls: int, reps: int) -> dict:
             "ratio": t.base / t.op, "detail": f"{calls} calls per timing, medians of {reps}"}
 
 
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int, seq_len: int, vocab: int):
-        self.tokens = torch.randint(0, vocab, (n, seq_len + 1), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def __getitem__(self, i: int):
-        return self.tokens[i, :-1], self.tokens[i, 1:]
-
-
 def bench_step(steps: int) -> dict:
     import deepspeed
     from deepspeed.runtime.utils import set_random_seed
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(_free_port()))
+                      MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = GPTConfig(vocab_size=512, seq_len=32, d_model=256, n_heads=4, n_layers=12)
+    # one micro-batch of 2 token rows, fed to every step from an iterator, as the tuner feeds its trials
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=g)
+    batch = (tokens[:, :-1], tokens[:, 1:])
     counts = {"deepspeed": 0, "seed_layer": 0}
 
     def counted(name, fn):
@@ -86,7 +74,6 @@ def bench_step(steps: int) -> dict:
                                    base_seed=1234, seed_fn=counted(name, fn), recompute_stages=True)
         engine, _, _, _ = deepspeed.initialize(
             model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
-            training_data=_Tokens(4096, cfg.seq_len, cfg.vocab_size),
             config={"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
                     "gradient_accumulation_steps": 8, "steps_per_print": 10**9,
                     "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}}})
@@ -96,7 +83,7 @@ def bench_step(steps: int) -> dict:
         for name, engine in engines.items():
             before = counts[name]
             t0 = time.perf_counter()
-            engine.train_batch()
+            engine.train_batch(itertools.repeat(batch))
             if step:
                 times[name].append(time.perf_counter() - t0)
             per_step = counts[name] - before  # the same for both engines
