@@ -288,6 +288,17 @@ def _cpu_like(t: torch.Tensor) -> torch.Tensor:
 # The weight kernels are checked against the C++ CPU kernels (which tests/quant hold to the reference bit for
 # bit on the CPU), not against the reference run on the GPU: PyTorch's CUDA division by a scalar multiplies
 # by its reciprocal, so the reference's scales on a GPU can differ from its own on a CPU in the last bit.
+def _quantized_alike_on_cpu(name: str, quantize, w: torch.Tensor, args: tuple, codes: torch.Tensor,
+                            scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize(w, *args, codes, scales)`` run again on the CPU kernel: its codes and scales, checked equal
+    to the GPU's bit for bit."""
+    cc, cs = _cpu_like(codes), _cpu_like(scales)
+    quantize(w.cpu(), *args, cc, cs)
+    _bits_equal(scales.cpu(), cs, f"{name} scales")
+    _bits_equal(codes.cpu().view(torch.uint8), cc.view(torch.uint8), f"{name} codes")
+    return cc, cs
+
+
 def _weight_case(b: Bench, w: torch.Tensor, fmt: str, block: int) -> None:
     dev, n, es = w.device, w.numel(), w.element_size()
     name = f"weight {fmt} {str(w.dtype).replace('torch.', '')} block {block}"
@@ -297,10 +308,7 @@ def _weight_case(b: Bench, w: torch.Tensor, fmt: str, block: int) -> None:
     scales = torch.empty(wops.num_blocks(n, block), device=dev)
     rc, rs = torch.empty_like(codes), torch.empty_like(scales)
     torch.ops.ppq.weight_quantize_out(w, fmt, block, codes, scales)
-    cc, cs = _cpu_like(codes), _cpu_like(scales)
-    torch.ops.ppq.weight_quantize_out(w.cpu(), fmt, block, cc, cs)
-    _bits_equal(scales.cpu(), cs, f"{name} scales")
-    _bits_equal(codes.cpu().view(torch.uint8), cc.view(torch.uint8), f"{name} codes")
+    cc, cs = _quantized_alike_on_cpu(name, torch.ops.ppq.weight_quantize_out, w, (fmt, block), codes, scales)
     out, rout = torch.empty_like(w), torch.empty_like(w)
     torch.ops.ppq.weight_dequantize_out(codes, scales, fmt, block, out)
     cout = _cpu_like(out)
@@ -323,10 +331,8 @@ def _sr_case(b: Bench, w: torch.Tensor, fmt: str, block: int) -> None:
     rc, rs = torch.empty_like(codes), torch.empty_like(scales)
     seed, offset = 7, 123
     torch.ops.ppq.weight_quantize_sr_out(w, fmt, block, seed, offset, codes, scales)
-    cc, cs = _cpu_like(codes), _cpu_like(scales)
-    torch.ops.ppq.weight_quantize_sr_out(w.cpu(), fmt, block, seed, offset, cc, cs)
-    _bits_equal(scales.cpu(), cs, f"{name} scales")
-    _bits_equal(codes.cpu().view(torch.uint8), cc.view(torch.uint8), f"{name} codes")
+    _quantized_alike_on_cpu(name, torch.ops.ppq.weight_quantize_sr_out, w, (fmt, block, seed, offset), codes,
+                            scales)
     b.add(f"{name} quantize",
           lambda: torch.ops.ppq.weight_quantize_sr_out(w, fmt, block, seed, offset, codes, scales),
           n * es + n + 4 * scales.numel(),
