@@ -27,6 +27,7 @@ compute copies after every optimizer step by itself.
 
 from __future__ import annotations
 
+import operator
 import random
 from collections.abc import Sequence
 
@@ -84,7 +85,12 @@ def seed_layer(seed: int) -> None:
     initialised yet (CUDA, XPU, MTIA) and formats the caller's stack for each: 0.3-1.2 ms a call on a
     machine without a GPU, and a ``PipelineModule`` with ``seed_layers`` seeds every layer of every
     micro-batch, recomputed ones again (20,000 calls in one tuning run). The default ``seed_fn`` of
-    ``PPQPipelineModule``."""
+    ``PPQPipelineModule``.
+
+    ``seed`` may be any integer type: with ``partition_method="parameters"`` (DeepSpeed's default) the
+    stage's first layer index is a NumPy integer, which ``random.seed`` refuses (DeepSpeed 0.19.8's own
+    ``PipelineModule`` with ``seed_layers`` fails there on Python >= 3.11)."""
+    seed = operator.index(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     seed %= 2**63

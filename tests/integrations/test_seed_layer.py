@@ -39,6 +39,17 @@ def test_seed_layer_seeds_as_deepspeed_does(seed):
     assert torch.equal(got[2], want[2])
 
 
+def test_seed_layer_takes_numpy_integers():
+    """DeepSpeed's partition_method='parameters' hands the seed over as a NumPy integer."""
+    seed_layer(77)
+    want = _states()
+    seed_layer(np.int64(77))
+    got = _states()
+    assert got[0] == want[0] and np.array_equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    with pytest.raises(TypeError):
+        seed_layer(77.0)
+
+
 @pytest.mark.skipif(torch.cuda.is_initialized(), reason="CUDA initialised: manual_seed seeds it directly")
 def test_seed_layer_formats_no_stack(monkeypatch):
     """torch.manual_seed formats the caller's stack for each device backend not initialised yet (the cost
@@ -61,6 +72,10 @@ class _Noisy(nn.Module):
         return self.drop(torch.tanh(self.fc(x)))
 
 
+def _same_parameters(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
 def _pipeline_rank() -> None:
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
@@ -77,6 +92,9 @@ def _pipeline_rank() -> None:
         torch.manual_seed(seed)
 
     custom = PPQPipelineModule(specs, num_stages=1, boundaries=[0, 4], seed_layers=True, seed_fn=own_seed)
+    # no boundaries: DeepSpeed's default partition_method='parameters', whose layer indices are NumPy
+    # integers (DeepSpeed's own PipelineModule with seed_layers raises there)
+    by_params = PPQPipelineModule(specs, num_stages=1, seed_layers=True, base_seed=77)
     x = torch.randn(8, 16)
     outs = []
     for module in (stock, ours):
@@ -84,7 +102,8 @@ def _pipeline_rank() -> None:
         torch.manual_seed(0)
         outs.append([module(x).tolist() for _ in range(2)])  # the seed depends on the micro-batch count
     write_result({
-        "params_equal": all(torch.equal(a, b) for a, b in zip(stock.parameters(), ours.parameters())),
+        "params_equal": _same_parameters(stock, ours),
+        "params_equal_by_params": _same_parameters(stock, by_params),
         "outputs_equal": outs[0] == outs[1],
         "dropped": sum(v == 0.0 for row in outs[1][0] for v in row),
         "seed_fns": [ours.seed_fn.__name__, custom.seed_fn.__name__],
@@ -93,12 +112,12 @@ def _pipeline_rank() -> None:
 
 @pytest.mark.distributed
 def test_a_seeded_pipeline_module_builds_and_runs_as_deepspeeds():
-    """Same parameters and the same dropout masks as DeepSpeed's PipelineModule with ``seed_layers``; a
-    ``seed_fn`` of the user's own is kept."""
+    """Same parameters and the same dropout masks as DeepSpeed's PipelineModule with ``seed_layers``, also
+    when partitioned by parameters (DeepSpeed's default); a ``seed_fn`` of the user's own is kept."""
     from dist_utils import run_ranks
 
     (res,) = run_ranks(__file__, 1, ["--pipeline-rank"], timeout=300)
-    assert res["params_equal"] and res["outputs_equal"]
+    assert res["params_equal"] and res["outputs_equal"] and res["params_equal_by_params"]
     assert res["dropped"] > 0  # dropout was on: the masks were compared
     assert res["seed_fns"] == ["seed_layer", "own_seed"]
 
