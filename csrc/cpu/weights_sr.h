@@ -299,8 +299,9 @@ PPQ_ALWAYS_INLINE inline int64_t encode_fused_avx2(const void* x, int64_t len, c
     if constexpr (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(xp + kRun + j), _MM_HINT_T0);  // 64 B
     const __m256i next = _mm256_add_epi32(ctr, eight);
     const __m256 vinv = _mm256_broadcast_ss(inv + (j >> lg));
+    // int8 codes lie in [-127, 127], fp8 codes in [0, 255] (finite input: no NaN code)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j),
-                     ppq::avx2::bytes16(code8(j, ctr, vinv), code8(j + 8, next, vinv)));
+                     ppq::avx2::bytes16_in_range<F == Fmt::I8>(code8(j, ctr, vinv), code8(j + 8, next, vinv)));
     ctr = _mm256_add_epi32(next, eight);
   }
   return n16;
