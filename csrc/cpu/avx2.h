@@ -121,21 +121,19 @@ PPQ_ALWAYS_INLINE inline __m256i bytes32(__m256i a, __m256i b, __m256i c, __m256
   // lane-wise packs: [a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7] as dwords -> restore the order
   return _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
-// Low bytes of the 16 lanes of a, b, in order: 16 bytes.
-PPQ_ALWAYS_INLINE inline __m128i bytes16(__m256i a, __m256i b) {
-  const __m256i ff = _mm256_set1_epi32(0xff);
-  const __m256i ab = _mm256_packus_epi32(_mm256_and_si256(a, ff), _mm256_and_si256(b, ff));  // a0-3 b0-3 | a4-7 b4-7
-  const __m256i p = _mm256_packus_epi16(ab, ab);  // dwords: [a0-3, b0-3, a0-3, b0-3 | a4-7, b4-7, ...]
-  return _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0)));
-}
-// bytes16 for lanes already within a byte's range, 0..255 (SIGNED: -128..127): the saturating packs are
-// then exact, so the lanes need no masking first (two operations fewer per 16 bytes).
+// Low bytes of the 16 lanes of a, b, in order, for lanes already within a byte's range, 0..255 (SIGNED:
+// -128..127): the saturating packs are then exact, so the lanes need no masking (bytes16 below masks).
 template <bool SIGNED>
 PPQ_ALWAYS_INLINE inline __m128i bytes16_in_range(__m256i a, __m256i b) {
   const __m256i z = _mm256_setzero_si256();
   const __m256i p = SIGNED ? _mm256_packs_epi16(_mm256_packs_epi32(a, b), z)     // dwords: [a0-3, b0-3, 0, 0 |
                            : _mm256_packus_epi16(_mm256_packus_epi32(a, b), z);  //   a4-7, b4-7, 0, 0]
   return _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0)));
+}
+// Low bytes of the 16 lanes of a, b, in order: 16 bytes.
+PPQ_ALWAYS_INLINE inline __m128i bytes16(__m256i a, __m256i b) {
+  const __m256i ff = _mm256_set1_epi32(0xff);
+  return bytes16_in_range<false>(_mm256_and_si256(a, ff), _mm256_and_si256(b, ff));
 }
 // Low 16 bits of the 16 lanes of a, b, in order.
 PPQ_ALWAYS_INLINE inline __m256i words16(__m256i a, __m256i b) {
