@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from deepspeed_ppq.formats import WEIGHT_FORMATS
@@ -19,24 +20,49 @@ from deepspeed_ppq.formats import WEIGHT_FORMATS
 __all__ = ["add_parser", "run"]
 
 
+_CODEC_FORMS = "none, quant:<2|4|6|8>, fp8 or topk:<ratio in (0, 1]>"
+
+# Pipeline flags default to None so that a flag given beside --schedule-csv can be told from one left out.
+_PIPELINE_DEFAULTS = {"schedule": "1f1b", "stages": 4, "microbatches": 8, "virtual_stages": 1}
+
+
 def _codec(text: str):
     """``none`` | ``quant:<bits>`` | ``fp8`` | ``topk:<ratio>`` -> CodecConfig."""
     from deepspeed_ppq.config import CodecConfig
 
     method, _, arg = text.partition(":")
+    if method not in ("none", "quant", "fp8", "topk"):
+        raise argparse.ArgumentTypeError(f"codec {text!r} is unknown: use {_CODEC_FORMS}")
     try:
-        if method == "none":
-            return CodecConfig()
         if method == "quant":
             return CodecConfig(method="quant", bits=int(arg or 8))
-        if method == "fp8":
-            return CodecConfig(method="fp8")
         if method == "topk":
             return CodecConfig(method="topk", topk_ratio=float(arg or 0.3), reuse_indices=False)
-    except (ValueError, TypeError) as e:
-        raise argparse.ArgumentTypeError(f"codec {text!r}: {e}") from None
-    raise argparse.ArgumentTypeError(f"codec {text!r} is unknown: use none, quant:<2|4|6|8>, fp8 or "
-                                     "topk:<ratio>")
+        if not arg:
+            return CodecConfig(method=method)
+    except ValueError:  # int()/float() and pydantic's ValidationError (a ValueError) alike
+        pass
+    raise argparse.ArgumentTypeError(f"codec {text!r} is invalid: use {_CODEC_FORMS}")
+
+
+def _float_type(lowest: float, *, inclusive: bool):
+    """An argparse ``type``: a finite float ``>= lowest`` (``inclusive``) or ``> lowest``."""
+    allowed = f"a finite number {'>=' if inclusive else '>'} {lowest:g}"
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = math.nan
+        if not math.isfinite(v) or v < lowest or (v == lowest and not inclusive):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {allowed}")
+        return v
+
+    return parse
+
+
+_non_negative = _float_type(0.0, inclusive=True)
+_positive = _float_type(0.0, inclusive=False)
 
 
 def _message_bytes(codec, shape) -> int:
@@ -67,11 +93,13 @@ def add_parser(sub) -> None:
     m.add_argument("--micro-batch", type=int, default=1)
     m.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     s = p.add_argument_group("pipeline")
-    s.add_argument("--stages", type=int, default=4)
-    s.add_argument("--microbatches", type=int, default=8)
-    s.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zbh1, chimera, deepspeed")
-    s.add_argument("--virtual-stages", type=int, default=1)
-    s.add_argument("--schedule-csv", help="a custom schedule (CSV) instead of --schedule")
+    s.add_argument("--stages", type=int, help=f"(default: {_PIPELINE_DEFAULTS['stages']})")
+    s.add_argument("--microbatches", type=int, help=f"(default: {_PIPELINE_DEFAULTS['microbatches']})")
+    s.add_argument("--schedule", help="gpipe, 1f1b, interleaved, zbh1, chimera, deepspeed "
+                   f"(default: {_PIPELINE_DEFAULTS['schedule']})")
+    s.add_argument("--virtual-stages", type=int, help=f"(default: {_PIPELINE_DEFAULTS['virtual_stages']})")
+    s.add_argument("--schedule-csv", help="a custom schedule (CSV) instead of --schedule; the four flags "
+                   "above may be given only where they agree with it")
     s.add_argument("--boundaries", help="layer boundaries, e.g. 0,6,12,18,24 (default: even)")
     s.add_argument("--recompute", default="", help="stages with full activation recomputation, e.g. 0,1")
     q = p.add_argument_group("precision and compression")
@@ -80,11 +108,12 @@ def add_parser(sub) -> None:
     q.add_argument("--act-codec", type=_codec, default="none",
                    help="none | quant:<bits> | fp8 | topk:<ratio>")
     q.add_argument("--grad-codec", type=_codec, default="none", help="as --act-codec")
-    q.add_argument("--codec-seconds", type=float, default=0.0, help="codec time per message (encode+decode)")
+    q.add_argument("--codec-seconds", type=_non_negative, default=0.0,
+                   help="codec time per message (encode+decode)")
     h = p.add_argument_group("hardware and links")
     h.add_argument("--hardware", default="h100", help="h100, h200, a100, cpu")
-    h.add_argument("--latency", type=float, help="link latency in s (default: the hardware's)")
-    h.add_argument("--bandwidth", type=float, help="link bandwidth in bytes/s (default: the hardware's)")
+    h.add_argument("--latency", type=_non_negative, help="link latency in s (default: the hardware's)")
+    h.add_argument("--bandwidth", type=_positive, help="link bandwidth in bytes/s (default: the hardware's)")
     h.add_argument("--no-overlap", action="store_true", help="transfers block the sender")
     p.add_argument("--out-dir", default="ppq_sim", help="where trace.json, timeline.png, memory.png go")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -95,11 +124,32 @@ def _ints(text: str, what: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"ppq simulate: --{what}={text!r} must be comma-separated integers") from None
+        raise ValueError(f"--{what}={text!r} must be comma-separated integers") from None
+
+
+def _schedule_from_csv(args):
+    """Load ``--schedule-csv``; refuse any pipeline flag given beside it that disagrees with the CSV."""
+    from . import load_schedule_csv
+
+    path = args.schedule_csv
+    try:
+        sched = load_schedule_csv(Path(path))
+    except OSError as e:
+        raise ValueError(f"--schedule-csv={path!r} cannot be read: {e.strerror or e}") from None
+    except ValueError as e:  # ScheduleError, UnicodeDecodeError
+        raise ValueError(f"--schedule-csv={path!r}: {e}") from None
+    in_csv = {"schedule": sched.name, "stages": sched.num_ranks, "microbatches": sched.num_microbatches,
+              "virtual_stages": sched.virtual_stages}
+    for key, value in in_csv.items():
+        given = getattr(args, key)
+        if given is not None and given != value:
+            raise ValueError(f"--{key.replace('_', '-')}={given} conflicts with --schedule-csv={path!r}, "
+                             f"which has {value}: leave the flag out or give {value}")
+    return sched
 
 
 def run(args) -> int:
-    from . import LinkModel, build_schedule, load_schedule_csv, simulate, validate_schedule
+    from . import LinkModel, build_schedule, simulate, validate_schedule
     from .costs import ModelShape, stage_costs_roofline, stage_memory
     from .hardware import get_hardware
     from .plots import plot_memory, plot_timeline
@@ -108,18 +158,28 @@ def run(args) -> int:
 
     act_codec = args.act_codec if not isinstance(args.act_codec, str) else _codec(args.act_codec)
     grad_codec = args.grad_codec if not isinstance(args.grad_codec, str) else _codec(args.grad_codec)
+    out = Path(args.out_dir)
+    if out.exists() and not out.is_dir():
+        args._parser.error(f"--out-dir={args.out_dir!r} is a file: give a directory (created if missing)")
     try:
         shape = ModelShape(args.layers, args.hidden, args.heads, args.seq_len, args.vocab, args.micro_batch,
                            args.dtype)
         hw = get_hardware(args.hardware)
         if args.schedule_csv:
-            sched = load_schedule_csv(Path(args.schedule_csv))
+            sched = _schedule_from_csv(args)
         else:
-            sched = build_schedule(args.schedule, args.stages, args.microbatches, args.virtual_stages)
+            flag = {k: default if getattr(args, k) is None else getattr(args, k)
+                    for k, default in _PIPELINE_DEFAULTS.items()}
+            sched = build_schedule(flag["schedule"], flag["stages"], flag["microbatches"],
+                                   flag["virtual_stages"])
         validate_schedule(sched)
         p = sched.num_ranks
         boundaries = _ints(args.boundaries, "boundaries") if args.boundaries else None
         rec_stages = set(_ints(args.recompute, "recompute"))
+        if not rec_stages <= set(range(p)):
+            bad = sorted(rec_stages - set(range(p)))
+            raise ValueError(f"--recompute={args.recompute!r} names stage {bad[0]}, but the stages are "
+                             f"0..{p - 1} ({p} stages)")
         recompute = [i in rec_stages for i in range(p)]
         if sched.placement == "interleaved" and sched.virtual_stages > 1:
             if args.layers % (p * sched.virtual_stages):
@@ -141,11 +201,13 @@ def run(args) -> int:
         res = simulate(sched, costs, [(act_b, grad_b)] * nb, link, memory, codec)
     except ValueError as e:  # ScheduleError is a ValueError
         args._parser.error(str(e))
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_chrome_trace(res, out / "trace.json")
-    plot_timeline(res, out / "timeline.png")
-    plot_memory(res, out / "memory.png")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_chrome_trace(res, out / "trace.json")
+        plot_timeline(res, out / "timeline.png")
+        plot_memory(res, out / "memory.png")
+    except OSError as e:
+        args._parser.error(f"--out-dir={args.out_dir!r} cannot be written: {e.strerror or e} ({e.filename})")
     summary = {"schedule": sched.name, "stages": p, "microbatches": sched.num_microbatches,
                "step_time_s": res.step_time, "bubble_fraction": res.bubble_fraction,
                "activation_bytes": act_b, "gradient_bytes": grad_b,

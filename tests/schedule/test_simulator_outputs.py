@@ -1,6 +1,7 @@
 """Roofline costs, hardware table, Perfetto trace, PNG plots and the ``ppq simulate`` command."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,7 @@ from deepspeed_ppq.schedule.hardware import HARDWARE, get_hardware
 from deepspeed_ppq.schedule.plots import plot_memory, plot_timeline
 from deepspeed_ppq.schedule.trace import chrome_trace
 
+CSV_1F1B = str(Path(__file__).resolve().parents[1] / "golden" / "1f1b_p4_m8.csv")
 SHAPE = ModelShape(layers=8, hidden=1024, heads=16, seq_len=512, vocab=32000, micro_batch=2)
 
 
@@ -125,3 +127,63 @@ def test_ppq_simulate_bad_input(argv, match, tmp_path, capsys):
     with pytest.raises(SystemExit):
         ppq_main(["simulate", "--out-dir", str(tmp_path), *argv])
     assert match in capsys.readouterr().err
+
+
+_SMALL_MODEL = ["--layers", "8", "--hidden", "512", "--heads", "8", "--seq-len", "256", "--vocab", "1000"]
+
+
+def _usage_error(argv, capsys) -> str:
+    """Run ``ppq simulate argv``; return the one-line error after checking it is argparse's (exit 2)."""
+    with pytest.raises(SystemExit) as e:
+        ppq_main(["simulate", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--latency", "nan"], "argument --latency: 'nan' must be a finite number >= 0"),
+    (["--latency", "inf"], "argument --latency: 'inf' must be a finite number >= 0"),
+    (["--latency", "-0.5"], "argument --latency: '-0.5' must be a finite number >= 0"),
+    (["--codec-seconds", "inf"], "argument --codec-seconds: 'inf' must be a finite number >= 0"),
+    (["--codec-seconds", "nan", "--act-codec", "fp8"], "argument --codec-seconds: 'nan' must be a finite"),
+    (["--codec-seconds", "-1", "--act-codec", "fp8"], "argument --codec-seconds: '-1' must be a finite"),
+    (["--bandwidth", "0"], "argument --bandwidth: '0' must be a finite number > 0"),
+    (["--bandwidth", "inf"], "argument --bandwidth: 'inf' must be a finite number > 0"),
+    (["--schedule-csv", "/nonexistent.csv"], "--schedule-csv='/nonexistent.csv' cannot be read: No such"),
+    (["--recompute", "7"], "--recompute='7' names stage 7, but the stages are 0..3 (4 stages)"),
+    (["--recompute", "0,-1"], "--recompute='0,-1' names stage -1, but the stages are 0..3 (4 stages)"),
+    (["--recompute", "a"], "--recompute='a' must be comma-separated integers"),
+    (["--schedule-csv", CSV_1F1B, "--stages", "2"],
+     f"--stages=2 conflicts with --schedule-csv={CSV_1F1B!r}, which has 4"),
+    (["--schedule-csv", CSV_1F1B, "--microbatches", "3"], "--microbatches=3 conflicts with --schedule-csv="),
+    (["--schedule-csv", CSV_1F1B, "--schedule", "gpipe"], "--schedule=gpipe conflicts with --schedule-csv="),
+    (["--schedule-csv", CSV_1F1B, "--virtual-stages", "2"], "--virtual-stages=2 conflicts with"),
+    (["--act-codec", "quant:3"],
+     "argument --act-codec: codec 'quant:3' is invalid: use none, quant:<2|4|6|8>, fp8 or topk:<ratio in "),
+    (["--grad-codec", "topk:2"], "argument --grad-codec: codec 'topk:2' is invalid: use none"),
+    (["--grad-codec", "fp8:3"], "argument --grad-codec: codec 'fp8:3' is invalid: use none"),
+])
+def test_ppq_simulate_usage_errors_name_flag_value_and_allowed(argv, match, tmp_path, capsys):
+    line = _usage_error(["--out-dir", str(tmp_path), *argv], capsys)
+    assert line.startswith("ppq simulate: error: ") and match in line
+
+
+def test_ppq_simulate_bad_paths_name_the_flag(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert f"--schedule-csv={str(tmp_path)!r} cannot be read: Is a directory" in _usage_error(
+        ["--schedule-csv", str(tmp_path)], capsys)
+    assert f"--out-dir={str(a_file)!r} is a file: give a directory" in _usage_error(
+        ["--out-dir", str(a_file)], capsys)
+    assert f"--out-dir={str(a_file / 'sub')!r} cannot be written: Not a directory" in _usage_error(
+        [*_SMALL_MODEL, "--out-dir", str(a_file / "sub")], capsys)
+
+
+def test_ppq_simulate_accepts_flags_that_agree_with_the_csv(tmp_path, capsys):
+    rc = ppq_main(["simulate", *_SMALL_MODEL, "--schedule-csv", CSV_1F1B, "--schedule", "1f1b",
+                   "--stages", "4", "--microbatches", "8", "--virtual-stages", "1", "--recompute", "0,3",
+                   "--latency", "0", "--bandwidth", "1e9", "--act-codec", "fp8", "--codec-seconds", "0",
+                   "--out-dir", str(tmp_path), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and (out["schedule"], out["stages"], out["microbatches"]) == ("1f1b", 4, 8)
