@@ -36,7 +36,7 @@ from deepspeed_ppq.autotune.costs import DEFAULT_LINK, CodecOption, LayerProfile
 from deepspeed_ppq.schedule import LinkModel
 
 __all__ = [
-    "profile_layers", "merge_sizes", "profile_codecs", "measure_link", "optimizer_costs", "profile_key",
+    "profile_layers", "merge_parts", "profile_codecs", "measure_link", "optimizer_costs", "profile_key",
     "load_cached", "save_cache", "save_profile",
 ]
 
@@ -216,6 +216,7 @@ def profile_layers(
     warmup: int = 2,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
+    share: tuple[int, int] = (0, 1),
 ) -> list[LayerProfile]:
     """Profile every layer in every format the policy allows (see the module docstring).
 
@@ -233,9 +234,15 @@ def profile_layers(
         dtype: the training dtype the layers run in (``torch.bfloat16`` for DeepSpeed's bf16 mode):
             their floating-point weights and inputs are cast to it, so times, saved activations and
             weight bytes are the bf16 engine's.
+        share: ``(index, count)``: measure only layer ``i`` at the ``s``-th size where
+            ``(i + s) % count == index`` (the ranks of a tuning run each take a share, every rank
+            a mix of small and large sizes); a layer not measured at a size runs forward once, to give
+            the next layer its input. Merge the shares with ``merge_parts``.
 
     Returns:
-        One ``LayerProfile`` per layer.
+        One ``LayerProfile`` per layer; its size-independent fields (saved, weight, workspace and I/O
+        bytes, quantization error) are measured at the smallest size it is measured at, and a layer
+        measured at no size has none of them.
     """
     from deepspeed_ppq.config import WeightsConfig
     from deepspeed_ppq.quant import measure_storage
@@ -255,14 +262,25 @@ def profile_layers(
         [f for f in formats if any(n.startswith(f"{i}.") and v != "none" for n, v in decisions[f].items())]
         for i in range(len(layers))
     ]
+    index, count = share
+    if not 0 <= index < count:
+        raise ValueError(f"share {share!r}: want (index, count) with 0 <= index < count")
     io_bytes = [[0, 0] for _ in layers]
-    for b in micro_batch_sizes:
+    measured = [False] * len(layers)  # at some size already: the size-independent fields are held
+    for s, b in enumerate(micro_batch_sizes):
         x, labels = make_batch(b)
         x, labels = x.to(device), labels.to(device)
         if x.is_floating_point():
             x = x.to(dtype)
         for i, layer in enumerate(layers):
             last = i == len(layers) - 1
+            if (i + s) % count != index:  # another share's: only its output, for the next layer
+                if not last:
+                    with torch.no_grad():
+                        x = copy.deepcopy(layer).to(device=device, dtype=dtype)(x)
+                continue
+            first = not measured[i]
+            measured[i] = True
             y_next = None
             for fmt in ["none", *allowed[i]]:
                 if fmt == "none":
@@ -276,7 +294,7 @@ def profile_layers(
                 rec["times"].setdefault(fmt, {})[b] = t
                 peak = _peak_bytes(mod, x, loss_fn if last else None, labels)
                 rec["peak_bytes"].setdefault(fmt, {})[b] = peak
-                if b == micro_batch_sizes[0]:
+                if first:
                     xin = x.detach().requires_grad_(x.is_floating_point())
                     rec["saved_bytes"][fmt] = _saved_bytes(mod, xin, loss_fn if last else None, labels) // b
                     led = measure_storage(mod).groups()
@@ -309,20 +327,30 @@ def profile_layers(
     return profiles
 
 
-def merge_sizes(parts: Sequence[list[LayerProfile]]) -> list[LayerProfile]:
-    """One profile from ``profile_layers`` runs of the same layers at different micro-batch sizes (the
-    ranks of a tuning run each measure their own sizes): the first part's size-independent fields (saved,
-    weight, workspace and I/O bytes, quantization error: ``profile_layers`` measures them at its first
-    size, so the first part must hold the smallest), every part's times and peaks."""
-    merged = copy.deepcopy(list(parts[0]))
+def merge_parts(parts: Sequence[list[LayerProfile]]) -> list[LayerProfile]:
+    """One profile from ``profile_layers`` runs of the same layers that each measured a share of the
+    layers and micro-batch sizes (the ranks of a tuning run): every part's times and peaks; each layer's
+    size-independent fields (saved, weight, workspace and I/O bytes, quantization error) from the part
+    that measured it at the smallest size."""
+    n = len(parts[0])
     for part in parts[1:]:
-        if len(part) != len(merged):
-            raise ValueError(f"a profile part has {len(part)} layers, the first {len(merged)}")
-        for mine, other in zip(merged, part):
+        if len(part) != n:
+            raise ValueError(f"a profile part has {len(part)} layers, the first {n}")
+    sizes = {b for part in parts for lp in part for by_size in lp.times.values() for b in by_size}
+    merged = []
+    for i in range(n):
+        held = [part[i] for part in parts if part[i].times]
+        layer = copy.deepcopy(min(held, key=lambda lp: min(lp.times["none"]))) if held else None
+        for other in held:
             for fmt, by_size in other.times.items():
-                mine.times.setdefault(fmt, {}).update(by_size)
+                layer.times.setdefault(fmt, {}).update(by_size)
             for fmt, by_size in other.peak_bytes.items():
-                mine.peak_bytes.setdefault(fmt, {}).update(by_size)
+                layer.peak_bytes.setdefault(fmt, {}).update(by_size)
+        missing = sizes - set(layer.times["none"] if layer else ())
+        if missing:
+            raise ValueError(f"layer {i} was measured in no profile part at micro-batch size(s) "
+                             f"{sorted(missing)}")
+        merged.append(layer)
     return merged
 
 

@@ -155,9 +155,10 @@ class DeepSpeedRunner:
         return deepspeed_partitions(counts, pipeline_degree, self.block_layers, block)
 
     def profile(self, settings) -> Profile:
-        """Profile the layers with the ranks sharing the micro-batch sizes (rank ``r`` measures the
-        ``r``-th, ``r + world``-th, ... timed size; rank 0 merges and adds the codecs and optimizer costs),
-        then the link between rank pairs. A profile cached on rank 0 is measured by none."""
+        """Profile the layers with the ranks sharing the (layer, micro-batch size) pairs
+        (``profile_layers``' ``share``: each rank a mix of small and large sizes; rank 0 merges and adds
+        the codecs and optimizer costs), then the link between rank pairs. A profile cached on rank 0 is
+        measured by none."""
         fmts = [getattr(f, "value", f) for f in settings.formats]
         gb = settings.global_batch or self.ds_config.get("train_batch_size") or 8
         from deepspeed_ppq.autotune.loop import default_micro_batch_sizes
@@ -169,7 +170,6 @@ class DeepSpeedRunner:
         payload = None
         bf16 = _bf16_mode(self.ds_config)
         grad_dtype = settings.master_free_grad_dtype
-        mine = timed[self.rank::self.world_size]  # the micro-batch sizes this rank measures
         layers = build_layers(self.specs) if self.rank == 0 else None  # the cache key's
         if self.rank == 0:
             key = profiler.profile_key(layers, mbs=timed, formats=fmts, reps=settings.profile_reps,
@@ -185,19 +185,20 @@ class DeepSpeedRunner:
 
                     warnings.warn(f"profile cache {settings.profile_cache} does not hold a usable profile "
                                   f"({type(e).__name__}: {e}); measuring again", stacklevel=2)
-        if self.share(payload is None):  # not cached: every rank measures its share of the sizes
+        if self.share(payload is None):  # not cached: every rank measures its share of layers and sizes
             def make_batch(b):
                 return _stack([self.train_data[i][:2] for i in range(b)])
 
             dtype = torch.bfloat16 if bf16 else torch.float32
-            if layers is None and mine:
+            if layers is None:
                 layers = build_layers(self.specs)
             part = profiler.profile_layers(layers, self.kinds, make_batch, self.loss_fn, self.weights, fmts,
-                                           mine, reps=settings.profile_reps, dtype=dtype) if mine else None
+                                           timed, reps=settings.profile_reps, dtype=dtype,
+                                           share=(self.rank, self.world_size))
             parts = [None] * self.world_size
             dist.all_gather_object(parts, part)
             if self.rank == 0:
-                lprof = profiler.merge_sizes([p for p in parts if p is not None])  # rank 0 holds the smallest
+                lprof = profiler.merge_parts(parts)
                 boundary = max(lprof[:-1], key=lambda lp: lp.output_bytes) if len(lprof) > 1 else lprof[0]
                 shape = (mbs[-1], max(1, boundary.output_bytes // dtype.itemsize))
                 prof = Profile(layers=lprof, codecs=profiler.profile_codecs(list(codecs.values()), shape),

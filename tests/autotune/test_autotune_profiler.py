@@ -13,7 +13,7 @@ from deepspeed_ppq.autotune.planner import PlanningProblem, plan_pipeline
 from deepspeed_ppq.autotune.profiler import (
     layers_from_cache,
     load_cached,
-    merge_sizes,
+    merge_parts,
     profile_codecs,
     profile_key,
     profile_layers,
@@ -70,24 +70,34 @@ def test_bytes_and_times(profile):
     assert prof[0].times["none"][1][1] == 0.0  # token ids have no input gradient
 
 
-def test_sizes_measured_apart_merge_into_the_whole_profile(profile):
-    """The tuner's ranks each profile their own micro-batch sizes; merged, the parts hold what one run
-    over all sizes holds: every field but the timings equal (peaks too: the same tracker), the times
-    of every format at every size."""
+@pytest.mark.parametrize("count", [2, 3])
+def test_shares_measured_apart_merge_into_the_whole_profile(profile, count):
+    """The tuner's ranks each profile a share of the (layer, micro-batch size) pairs; merged, the shares
+    hold what one run over all of them holds: every field but the timings equal (peaks too: the same
+    tracker), the times of every format at every size."""
     layers, whole = profile
     wcfg = WeightsConfig(keep_first_blocks=1, keep_last_blocks=0)
-    parts = [profile_layers(layers, layer_kinds(CFG), _batch, gpt_loss, wcfg, ("int8", "nf4"), (b,), reps=2,
-                            warmup=1) for b in (1, 2)]
-    merged = merge_sizes(parts)
+    parts = [profile_layers(layers, layer_kinds(CFG), _batch, gpt_loss, wcfg, ("int8", "nf4"), (1, 2), reps=2,
+                            warmup=1, share=(r, count)) for r in range(count)]
+    for r, part in enumerate(parts):  # layer i at the s-th size in share (i + s) % count only
+        for i, lp in enumerate(part):
+            assert set(lp.times.get("none", {})) == {b for s, b in enumerate((1, 2)) if (i + s) % count == r}
+    merged = merge_parts(parts)
     for m, w in zip(merged, whole, strict=True):
         assert {f: set(v) for f, v in m.times.items()} == {f: set(v) for f, v in w.times.items()}
         assert m.peak_bytes == w.peak_bytes
         for field in ("name", "kind", "param_numels", "quantizable_params", "allowed_formats", "weight_bytes",
                       "saved_bytes", "input_bytes", "output_bytes", "quant_error", "workspace_bytes"):
             assert getattr(m, field) == getattr(w, field), field
-    assert parts[0][2].times["int8"].keys() == {1}  # the parts were not changed
+    assert parts[0][2].times["int8"].keys() == {1 if count == 2 else 2}  # the parts were not changed
     with pytest.raises(ValueError, match="a profile part has 2 layers, the first 5"):
-        merge_sizes([parts[0], parts[1][:2]])
+        merge_parts([parts[0], parts[1][:2]])
+    first_missing = 0 if count == 2 else 1  # the first layer the last share alone measured at size 2
+    with pytest.raises(ValueError, match=rf"layer {first_missing} was measured in no profile part at "
+                                         r"micro-batch size\(s\) \[2\]"):
+        merge_parts(parts[:-1])
+    with pytest.raises(ValueError, match=r"share \(2, 2\): want \(index, count\)"):
+        profile_layers(layers, layer_kinds(CFG), _batch, gpt_loss, wcfg, ("int8",), (1,), share=(2, 2))
 
 
 def test_tracker_sees_what_the_profile_predicts(profile):
