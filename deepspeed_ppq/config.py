@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 import sys
 from enum import Enum
@@ -55,6 +56,13 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=False)
 
 
+def _finite(v: float, field: str, hint: str) -> float:
+    """``v`` unless it is infinite or NaN (a float field's bounds let ``inf`` through)."""
+    if not math.isfinite(v):
+        raise ValueError(f"{field}={v} is not allowed: give a finite number ({hint})")
+    return v
+
+
 class WeightFormat(str, Enum):
     """Storage formats for weights (``none`` keeps the training dtype)."""
 
@@ -81,6 +89,16 @@ class PrecisionRule(_Model):
     match: Literal["glob", "regex"] = "glob"
     module_type: str | None = None
     format: WeightFormat
+
+    @model_validator(mode="after")
+    def _regex_compiles(self) -> PrecisionRule:
+        if self.match == "regex":
+            try:
+                re.compile(self.pattern)
+            except re.error as err:
+                raise ValueError(f"pattern={self.pattern!r} is not a regular expression ({err}); fix the "
+                                 "pattern or use match='glob'") from None
+        return self
 
 
 class WeightsConfig(_Model):
@@ -124,6 +142,11 @@ class WeightsConfig(_Model):
             raise ValueError(f"block_size={v} is not allowed: use a power of two in [16, 4096]")
         return v
 
+    @field_validator("lora_alpha")
+    @classmethod
+    def _lora_alpha(cls, v: float) -> float:
+        return _finite(v, "lora_alpha", "the adapters' output is scaled by lora_alpha / lora_rank")
+
     @model_validator(mode="after")
     def _master_free_needs_8bit(self) -> WeightsConfig:
         if self.grad_dtype != "fp32" and self.master != "none":
@@ -148,6 +171,15 @@ class WeightsConfig(_Model):
                     "a 4-bit grid loses most updates even with stochastic rounding; use master='fp32'"
                 )
         return self
+
+
+# The CodecConfig fields each method reads besides ``method``; it ignores the others.
+_CODEC_FIELDS = {
+    "none": (),
+    "quant": ("bits", "granularity", "group_size", "error_feedback", "compress_eval"),
+    "fp8": ("granularity", "group_size", "fp8_format", "error_feedback", "compress_eval"),
+    "topk": ("topk_ratio", "reuse_indices", "error_feedback", "compress_eval"),
+}
 
 
 class CodecConfig(_Model):
@@ -202,6 +234,27 @@ class CodecConfig(_Model):
             return (f"compress_eval={self.compress_eval} has no effect on gradients: an evaluation sends no "
                     "gradients; drop it (activations.compress_eval decides what an evaluation sends)")
         return None
+
+    @model_validator(mode="after")
+    def _method_reads_every_field(self) -> CodecConfig:
+        """Refuse a field set to other than its default that the method does not read (``bits`` with
+        ``fp8``, ``fp8_format`` with ``quant``, ...), or ``group_size`` without ``granularity='group'``.
+        A field at its default is fine, left out or written (a full ``model_dump`` writes every field)."""
+        reads = _CODEC_FIELDS[self.method]
+        fields = type(self).model_fields
+        ignored = [f for f, field in fields.items()
+                   if f != "method" and f not in reads and getattr(self, f) != field.default]
+        if ignored:
+            shown = ", ".join(f"{f}={getattr(self, f)!r}" for f in ignored)
+            uses = f"it reads only {', '.join(reads)}" if reads else "it sends tensors as they are"
+            them = "it" if len(ignored) == 1 else "them"
+            raise ValueError(f"method={self.method!r} ignores {shown}: {uses}; drop {them} or change the "
+                             "method")
+        if self.group_size != fields["group_size"].default and self.granularity != "group":
+            raise ValueError(f"group_size={self.group_size} has no effect with "
+                             f"granularity={self.granularity!r}: only granularity='group' uses it; drop it "
+                             "or set granularity='group'")
+        return self
 
     @property
     def enabled(self) -> bool:
@@ -271,7 +324,7 @@ def parse_bytes(value: int | float | str, field: str = "memory_budget") -> int:
     if isinstance(value, bool):
         raise ValueError(f"{field}={value!r}: give bytes (an int) or a size such as '512MiB'")
     if isinstance(value, (int, float)):
-        n = float(value)
+        n = value  # an int stays exact: float() of a huge one overflows
     else:
         text = str(value).strip().lower().replace(" ", "")
         unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if text.endswith(u)), "")
@@ -284,8 +337,10 @@ def parse_bytes(value: int | float | str, field: str = "memory_budget") -> int:
                 f"{field}={value!r} is not a size: give bytes or a number with one of the units "
                 f"{', '.join(('B', 'KiB', 'MiB', 'GiB', 'KB', 'MB', 'GB'))}, e.g. '512MiB'"
             )
-    if not n > 0:
-        raise ValueError(f"{field}={value!r} must be positive")
+    if isinstance(n, float) and not math.isfinite(n):
+        raise ValueError(f"{field}={value!r} is not a finite size: give bytes or a size such as '512MiB'")
+    if not n >= 1:  # int() would make a fraction of a byte 0
+        raise ValueError(f"{field}={value!r} must be positive and at least 1 byte (got {n} bytes)")
     return int(n)
 
 
@@ -372,6 +427,11 @@ class AutotuneConfig(_Model):
     def _bytes(cls, v):
         return None if v is None else parse_bytes(v)
 
+    @field_validator("val_loss_tolerance", "stock_margin")
+    @classmethod
+    def _finite_fraction(cls, v: float, info) -> float:
+        return _finite(v, info.field_name, "a fraction, e.g. 0.05 for 5%")
+
     @field_validator("micro_batch_sizes", "pipeline_degrees")
     @classmethod
     def _positive_list(cls, v):
@@ -415,6 +475,11 @@ class PPQConfig(_Model):
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     autotune: AutotuneConfig = Field(default_factory=AutotuneConfig)
     plan_file: str | None = None
+
+    @field_validator("watchdog_timeout_s")
+    @classmethod
+    def _finite_timeout(cls, v: float) -> float:
+        return _finite(v, "watchdog_timeout_s", "seconds; 0 turns the watchdog off")
 
     @field_validator("activations", "gradients")
     @classmethod

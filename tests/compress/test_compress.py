@@ -23,7 +23,7 @@ from deepspeed_ppq.config import AQSGDConfig, CodecConfig, PPQConfig
 CODECS = (
     [CodecConfig(method="none")]
     + [
-        CodecConfig(method="quant", bits=b, granularity=g, group_size=8)
+        CodecConfig(method="quant", bits=b, granularity=g, **({"group_size": 8} if g == "group" else {}))
         for b in (2, 4, 6, 8)
         for g in ("sample", "token", "group")
     ]
@@ -83,7 +83,8 @@ def test_granularity_matters_with_outliers():
     x[:, :, 3] *= 100  # one outlier channel, as in a transformer's residual stream
     err = {}
     for g in ("sample", "token", "group"):
-        cfg = CodecConfig(method="quant", bits=4, granularity=g, group_size=16)
+        sized = {"group_size": 16} if g == "group" else {}
+        cfg = CodecConfig(method="quant", bits=4, granularity=g, **sized)
         enc, dec = _pair(cfg)
         y = dec.decode(enc.encode(x), x.shape, x.dtype)
         err[g] = (y - x)[:, :, 16:].pow(2).mean().item()  # error away from the outlier's group
@@ -347,7 +348,8 @@ def test_aqsgd_warmup_raw_activations_compressed_gradients(grad_cfg):
     """AQ-SGD warm-up (config.py: ``aqsgd.warmup_steps``): the activation crosses raw and fills the
     per-sample buffers on both sides; the gradient stays compressed, unless it reuses the activation's
     TopK indices, which a raw activation does not have (then it goes raw too)."""
-    act_cfg = CodecConfig(method="topk" if grad_cfg.method == "topk" else "quant", bits=2, topk_ratio=0.25)
+    act_cfg = (CodecConfig(method="topk", topk_ratio=0.25) if grad_cfg.method == "topk"
+               else CodecConfig(method="quant", bits=2))
     ppq = PPQConfig(activations=act_cfg, gradients=grad_cfg, aqsgd=AQSGDConfig(enabled=True, warmup_steps=1))
     ch = BoundaryChannel(ppq)
     x = torch.randn(4, 3, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import pytest
 
@@ -31,7 +32,8 @@ def test_every_config_field_has_a_flag():
 
 def test_flags_round_trip_to_config():
     args = parse(["--ppq-activations-method", "quant", "--ppq-activations-bits", "4",
-                  "--ppq-weights-format", "int8", "--no-ppq-gradients-reuse-indices",
+                  "--ppq-weights-format", "int8",
+                  "--ppq-gradients-method", "topk", "--no-ppq-gradients-reuse-indices",
                   "--ppq-weights-rules", json.dumps([{"pattern": "*fc2*", "format": "nf4"}]),
                   "--ppq-partition-method", "explicit", "--ppq-partition-boundaries", "[0, 3, 8]"])
     cfg = args_to_ppq_config(args)
@@ -127,6 +129,29 @@ def test_prepare_errors():
         prepare(["--ppq-activation-method", "quant"])
     with pytest.raises(PPQConfigError, match="--fp8-format hybrid on the command line conflicts"):
         prepare(["--fp8-format", "hybrid", "--ppq-weights-format", "fp8_e4m3"])
+
+
+def test_unreadable_config_and_plan_files_name_the_flag(tmp_path, monkeypatch):
+    missing, bad, old = tmp_path / "missing.json", tmp_path / "bad.json", tmp_path / "old.json"
+    bad.write_text('{"ppq": ')
+    old.write_text(json.dumps({"schema_version": 1}))
+    cases = {("--ppq-config", missing): r"--ppq-config .*missing.json: cannot read it \(No such file",
+             ("--ppq-config", tmp_path): r"--ppq-config .*: cannot read it \(Is a directory",
+             ("--ppq-config", bad): r"--ppq-config .*bad.json is not valid JSON \(Expecting value",
+             ("--ppq-plan-file", missing): r"--ppq-plan-file: plan file .*missing.json does not exist",
+             ("--ppq-plan-file", bad): r"--ppq-plan-file: plan file .*bad.json is not valid JSON",
+             ("--ppq-plan-file", old): r"--ppq-plan-file: plan file .*old.json: .*schema_version=1 is not"}
+    for (flag, path), match in cases.items():
+        with pytest.raises(PPQConfigError, match=match):
+            prepare([flag, str(path)])
+    # the launcher: one line and a non-zero exit, before Megatron or any process group
+    from megatron_patches.run import main
+
+    script = tmp_path / "pretrain.py"
+    script.write_text("raise AssertionError('the script must not run')\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(SystemExit, match=r"^megatron_patches.run: --ppq-config .*missing.json: cannot read"):
+        main(["--cpu", str(script), "--ppq-config", str(missing)])
 
 
 def test_partition_flags_become_the_megatron_layout():
