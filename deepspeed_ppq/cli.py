@@ -1,4 +1,7 @@
-"""The ``ppq`` command: ``ppq report | simulate | tune | plan ...``.
+"""The ``ppq`` command: ``ppq report | simulate | tune | schema ...``.
+
+There is no separate planning command: ``ppq tune`` writes the plan (``plan.json``) and ``ppq simulate``
+times a configuration given on its command line.
 
 Each subcommand lives beside the code it drives and registers itself here through
 ``_SUBCOMMANDS`` (module path, function name that adds its parser); modules are imported only when
@@ -25,7 +28,9 @@ _SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="ppq", description="deepspeed_ppq: plan, simulate, tune, report")
+    parser = argparse.ArgumentParser(
+        prog="ppq", description="deepspeed_ppq: simulate a pipeline, tune a training script (writes the "
+        "plan), report the environment, print the config's JSON schema")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = argv[0] if argv and not argv[0].startswith("-") else None
     for name, (module, fn) in _SUBCOMMANDS.items():

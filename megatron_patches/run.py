@@ -147,7 +147,8 @@ def prepare(argv: list[str]) -> tuple[list[str], dict]:
         ppq section as a JSON-able dict).
 
     Raises:
-        PPQConfigError: bad or conflicting settings, naming the flag to change.
+        PPQConfigError: bad or conflicting settings, or a ``--ppq-config`` or ``--ppq-plan-file`` that
+            cannot be read, naming the flag to change.
     """
     parser = add_ppq_args(argparse.ArgumentParser(prog="megatron_patches.run", add_help=False,
                                                   allow_abbrev=False))
@@ -155,9 +156,19 @@ def prepare(argv: list[str]) -> tuple[list[str], dict]:
     bad = [a for a in rest if a.startswith("--ppq")]
     if bad:
         raise PPQConfigError(f"unknown ppq flag(s) {bad}; see `python -m megatron_patches.run --help-ppq`")
-    cfg = args_to_ppq_config(ppq_args)
+    try:
+        cfg = args_to_ppq_config(ppq_args)
+    except OSError as e:  # only --ppq-config is read here
+        raise PPQConfigError(f"--ppq-config {ppq_args.ppq_config}: cannot read it ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PPQConfigError(f"--ppq-config {ppq_args.ppq_config} is not valid JSON ({e})") from None
     if cfg.plan_file:
-        flags, overrides = plan_to_megatron(cfg.plan_file)
+        from deepspeed_ppq.autotune.plan import PlanError
+
+        try:
+            flags, overrides = plan_to_megatron(cfg.plan_file)
+        except PlanError as e:  # its message names the file and the fix
+            raise PPQConfigError(f"--ppq-plan-file: {e}") from None
         rest = _merge(rest, flags, f"--ppq-plan-file {cfg.plan_file}")
         section = cfg.model_dump(mode="json", exclude_unset=True)
         section.update(overrides)
