@@ -121,7 +121,7 @@ class Boundary(nn.Module):
         self.enabled = act.enabled or grad.enabled
         ppq = PPQConfig(activations=act, gradients=grad, aqsgd=aqsgd or AQSGDConfig())
         self.channel = BoundaryChannel(ppq, label=name)
-        eval_act = act.model_copy(update={"compress_eval": True})
+        eval_act = act.model_copy(update={"compress_eval": True}) if act.enabled else act  # none sends as is
         self.eval_channel = BoundaryChannel(PPQConfig(activations=eval_act), label=f"{name} eval")
         self.compress = True
         self.sample_ids: torch.Tensor | None = None

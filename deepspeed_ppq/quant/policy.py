@@ -86,15 +86,9 @@ class LayerDecision:
         return self.format != WeightFormat.none
 
 
-def _compile_rule(i: int, rule: PrecisionRule):
-    if rule.match == "regex":
-        try:
-            rx = re.compile(rule.pattern)
-        except re.error as e:
-            raise ValueError(
-                f"policy rule {i}: pattern={rule.pattern!r} is not a valid regex ({e}); "
-                "fix the pattern or use match='glob'"
-            ) from None
+def _compile_rule(rule: PrecisionRule):
+    if rule.match == "regex":  # PrecisionRule checked that it compiles
+        rx = re.compile(rule.pattern)
         return lambda name: rx.search(name) is not None
     return lambda name: fnmatch.fnmatchcase(name, rule.pattern)
 
@@ -116,6 +110,9 @@ def _to_rule(i: int, rule) -> PrecisionRule:
         msgs = []
         for e in err.errors():
             loc = ".".join(str(p) for p in e["loc"])
+            if not loc:  # the rule as a whole (a pattern that is no regex): the message names the field
+                msgs.append(e["msg"].removeprefix("Value error, "))
+                continue
             extra = f" (allowed formats: {allowed})" if loc == "format" else ""
             msgs.append(f"{loc}={e.get('input')!r}: {e['msg']}{extra}")
         raise ValueError(f"policy rule {i} {rule}: " + "; ".join(msgs)) from None
@@ -153,7 +150,7 @@ class PrecisionPolicy:
                 f"policy format={self.format!r} is not a weight format; allowed: {allowed}"
             ) from None
         self.rules = [_to_rule(i, r) for i, r in enumerate(self.rules)]
-        self._matchers = [_compile_rule(i, r) for i, r in enumerate(self.rules)]
+        self._matchers = [_compile_rule(r) for r in self.rules]
         self._keep = [re.compile(p, re.IGNORECASE) for p in self.keep_patterns]
         for name, v in (
             ("keep_first_blocks", self.keep_first_blocks),

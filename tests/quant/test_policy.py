@@ -140,7 +140,7 @@ def test_errors_name_the_bad_value():
         PrecisionPolicy(format="int2")
     with pytest.raises(ValueError, match=r"invalid weights config: weights.rules.0.format='nf3'"):
         as_policy({"format": "int8", "rules": [{"pattern": "*", "format": "nf3"}]})
-    with pytest.raises(ValueError, match=r"pattern='\(\[' is not a valid regex"):
+    with pytest.raises(ValueError, match=r"policy rule 0 .*: pattern='\(\[' is not a regular expression"):
         PrecisionPolicy(rules=[{"pattern": "([", "match": "regex", "format": "int8"}])
     with pytest.raises(TypeError, match="expected a PrecisionRule"):
         PrecisionPolicy(rules=[42])
