@@ -37,8 +37,10 @@ effect then: what is stored is the uint8 codes plus the fp32 group scales (a 64-
 4.13 instead of 4.5 bits per value for nf4 with fp32 scales).
 
 Non-finite weights raise ``ValueError`` naming the shape, the format and the number of NaN/Inf
-values (the kernels mark such a block with a NaN scale; the check reads only the scales). If
-``requantize_`` raises, the buffers hold partial results and must be requantized from finite data.
+values (the kernels mark such a block with a NaN scale; the check reads only the scales); a finite
+block whose scale overflows bf16 (nf4 with ``scale_dtype="bf16"`` and absmax above about 3.39e38)
+raises a different ``ValueError`` naming the scale dtype. If ``requantize_`` raises, the buffers hold
+partial results and must be requantized from finite data.
 """
 
 from __future__ import annotations
@@ -72,13 +74,14 @@ def _scale_dtype(scale_dtype) -> torch.dtype:
     return _SCALE_DTYPES[scale_dtype]
 
 
+def _check_fp8_scale(fp8_scale) -> None:
+    if fp8_scale not in _FP8_SCALES:
+        raise ValueError(f"fp8_scale={fp8_scale!r} is not allowed: use 'block' or 'tensor'")
+
+
 def _to_format(fmt) -> WeightFormat:
     """The ``WeightFormat`` of a low-bit format name (``ValueError`` naming the allowed ones otherwise)."""
     return WeightFormat(format_spec(fmt).name)
-
-
-def _count_bad(w: torch.Tensor) -> int:
-    return int((~torch.isfinite(w)).sum())
 
 
 class QuantizedWeight:
@@ -128,8 +131,7 @@ class QuantizedWeight:
         _ops.check_block_size(block_size)
         _ops.check_float_input(w, "w")
         sdt = _scale_dtype(scale_dtype)
-        if fp8_scale not in _FP8_SCALES:
-            raise ValueError(f"fp8_scale={fp8_scale!r} is not allowed: use 'block' or 'tensor'")
+        _check_fp8_scale(fp8_scale)
         if fp8_scale == "tensor" and not format_spec(f).per_tensor_scale:
             raise ValueError(f"fp8_scale='tensor' is only for fp8 formats ({_PER_TENSOR}), got fmt={f!r}; "
                              "use 'block'")
@@ -157,21 +159,14 @@ class QuantizedWeight:
         w = w.contiguous()
         if self.scale_scale is None:
             _ops.weight_quantize_out(w, f, self.block_size, self.qdata, self.scale)
-            self._check_finite(self.scale, w)
+            _ops.check_quantized_scales(self.scale, w, f, "weight")
             return
         # Double quantization: fp32 scales -> uint8 codes per group of 256 -> codes against them.
         s = torch.empty(self.scale.numel(), dtype=torch.float32, device=w.device)
         _ops.weight_quantize_out(w, f, self.block_size, self.qdata, s)
-        self._check_finite(s, w)
+        _ops.check_quantized_scales(s, w, f, "weight")
         _quantize_scales(s, self.scale, self.scale_scale)
         _ops.weight_quantize_codes_out(w, self.block_scales(), f, self.block_size, self.qdata)
-
-    def _check_finite(self, scales: torch.Tensor, w: torch.Tensor) -> None:
-        if not bool(torch.isfinite(scales).all()):
-            raise ValueError(
-                f"cannot quantize a weight of shape {tuple(w.shape)} to {self.fmt.value}: "
-                f"{_count_bad(w)} NaN/Inf value(s) of {w.numel()}"
-            )
 
     # -- reading -----------------------------------------------------------------------------
     def block_scales(self) -> torch.Tensor:
@@ -246,9 +241,20 @@ def weight_storage_bytes(
     over the flattened weight (the last may be partial), codes take the format's bits per value (4-bit
     formats pack two per byte), a per-tensor scale (``fp8_scale="tensor"``, where the format allows it) is
     one; with ``double_quant`` the scales are uint8 codes plus one fp32 scale per ``DOUBLE_QUANT_GROUP`` of
-    them (``scale_dtype`` is then unused).
+    them (``scale_dtype`` is then unused; it is still checked, as in ``quantize_weight``). An
+    ``fp8_scale="tensor"`` with a format that has only block scales counts block scales (the ledger
+    passes one setting for every format).
+
+    Raises:
+        ValueError: a bad argument (the same allowed values as ``quantize_weight``), or a shape that is
+            not a sequence of ints >= 0.
     """
     spec = format_spec(fmt)
+    _ops.check_block_size(block_size)
+    _scale_dtype(scale_dtype)
+    _check_fp8_scale(fp8_scale)
+    if not isinstance(shape, Sequence) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ValueError(f"shape={shape!r} is not allowed: use a sequence of ints >= 0")
     n = math.prod(shape)
     nb = 1 if spec.per_tensor_scale and fp8_scale == "tensor" else math.ceil(n / block_size)
     if double_quant:

@@ -22,8 +22,11 @@ rounded to the scale dtype (fp32 or bf16, round-to-nearest-even); the codes are 
 
 Dequantize: ``value(q) * s`` in fp32, then rounded to the output dtype (fp32 or bf16).
 
-Non-finite input: a block holding NaN or Inf gets a NaN scale; the Python front end
-(``deepspeed_ppq.quant.formats``) checks the scales and raises ``ValueError``.
+Non-finite input: a block holding NaN or Inf gets a NaN scale; the Python front ends
+(``deepspeed_ppq.quant.formats``, ``quant.sr_ops``) check the scales with ``check_quantized_scales`` and
+raise ``ValueError``. So does a finite block whose scale overflows a bf16 scale (nf4: absmax above
+about 3.39e38). Given scales (``weight_quantize_codes_out``) must be finite and ``>= 0`` (0 for an
+all-zero block); others would silently give zero codes, so the front end rejects them.
 
 Ops (schemas below): ``weight_quantize_out`` (codes and scales in one pass into caller buffers),
 ``weight_quantize_codes_out`` (codes from given fp32 scales: double quantization),
@@ -50,6 +53,7 @@ __all__ = [
     "check_block_size",
     "check_format",
     "check_float_input",
+    "check_quantized_scales",
     "weight_quantize",
     "weight_quantize_out",
     "weight_quantize_codes_out",
@@ -104,6 +108,25 @@ def check_float_input(x: torch.Tensor, name: str = "x") -> None:
         )
     if x.numel() == 0:
         raise ValueError(f"{name} is empty (shape {tuple(x.shape)}); nothing to quantize")
+
+
+def check_quantized_scales(scales: torch.Tensor, x: torch.Tensor, fmt: str, what: str = "tensor") -> None:
+    """Raise ``ValueError`` if quantizing ``x`` wrote a non-finite scale (reads only the scales).
+
+    A non-finite scale means NaN/Inf in ``x`` (the message counts them) or, with finite ``x``, a block
+    whose scale ``absmax / Q`` overflowed the scale dtype (bf16 with nf4's ``Q = 1``).
+    """
+    if bool(torch.isfinite(scales).all()):
+        return
+    head = f"cannot quantize a {what} of shape {tuple(x.shape)} to {fmt}"
+    bad = int((~torch.isfinite(x)).sum())
+    if bad:
+        raise ValueError(f"{head}: {bad} NaN/Inf value(s) of {x.numel()}")
+    q = format_qmax(fmt)
+    raise ValueError(
+        f"{head}: a block's scale (absmax / {q:g}) overflows the scale dtype {scales.dtype}, whose largest "
+        f"absmax is about {torch.finfo(scales.dtype).max * q:.4g}; use float32 scales"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,6 +312,29 @@ def _check_common(x, fmt, block_size):
     check_float_input(x)
 
 
+def _check_quantize_args(x, fmt, block_size, scale_dtype, per_tensor):
+    """The arguments of an allocating quantize (``weight_quantize``, ``sr_ops.weight_quantize_sr``)."""
+    _check_common(x, fmt, block_size)
+    if scale_dtype not in _FLOATS:
+        raise ValueError(f"scale_dtype={scale_dtype} is not allowed: use torch.float32 or torch.bfloat16")
+    if per_tensor and fmt not in _FP8_DTYPE:
+        raise ValueError(f"per_tensor=True is only for fp8 formats, got fmt={fmt!r}")
+
+
+def _check_scale_values(scales):
+    """Given scales must be finite and >= 0 (an all-zero block's scale is 0): one reduction."""
+    lo, hi = torch.stack(torch.aminmax(scales)).tolist()
+    if lo >= 0 and hi <= _FLT_MAX:  # NaN fails both
+        return
+    flat = scales.reshape(-1)
+    bad = ~(torch.isfinite(flat) & (flat >= 0))
+    i = int(bad.nonzero()[0])
+    raise ValueError(
+        f"scales[{i}]={flat[i].item()} is not allowed ({int(bad.sum())} of {flat.numel()} bad): "
+        "scales must be finite and >= 0 (a block's absmax / Q; 0 for an all-zero block)"
+    )
+
+
 def _check_scales(scales, n, fmt, block_size, *, fp32_only=False):
     nb = num_blocks(n, block_size)
     allowed = (torch.float32,) if fp32_only else _FLOATS
@@ -330,10 +376,14 @@ def weight_quantize_out(x: torch.Tensor, fmt: str, block_size: int, codes: torch
 
 def weight_quantize_codes_out(x: torch.Tensor, scales: torch.Tensor, fmt: str, block_size: int,
                               codes: torch.Tensor) -> None:
-    """Quantize ``x`` against given fp32 ``scales`` (used by double quantization) into ``codes``."""
+    """Quantize ``x`` against given fp32 ``scales`` (used by double quantization) into ``codes``.
+
+    The scales must be finite and ``>= 0`` (``ValueError`` naming the first bad one otherwise).
+    """
     _check_common(x, fmt, block_size)
     _check_codes(codes, x.numel(), fmt)
     _check_scales(scales, x.numel(), fmt, block_size, fp32_only=True)
+    _check_scale_values(scales)
     _quantize_codes_out_op(x.contiguous(), scales, fmt, block_size, codes)
 
 
@@ -354,11 +404,7 @@ def weight_dequantize_out(codes: torch.Tensor, scales: torch.Tensor, fmt: str, b
 def weight_quantize(x: torch.Tensor, fmt: str, block_size: int = 64, scale_dtype: torch.dtype = torch.float32,
                     per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocating quantize: returns ``(codes, scales)``."""
-    _check_common(x, fmt, block_size)
-    if scale_dtype not in _FLOATS:
-        raise ValueError(f"scale_dtype={scale_dtype} is not allowed: use torch.float32 or torch.bfloat16")
-    if per_tensor and fmt not in _FP8_DTYPE:
-        raise ValueError(f"per_tensor=True is only for fp8 formats, got fmt={fmt!r}")
+    _check_quantize_args(x, fmt, block_size, scale_dtype, per_tensor)
     return _quantize_op(x.contiguous(), fmt, block_size, scale_dtype, per_tensor)
 
 

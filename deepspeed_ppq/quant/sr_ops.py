@@ -155,12 +155,7 @@ def weight_quantize_sr_out(x: torch.Tensor, fmt: str, block_size: int, seed: int
     _ops._check_codes(codes, x.numel(), fmt)
     _ops._check_scales(scales, x.numel(), fmt, block_size)
     _quantize_sr_out_op(x.contiguous(), fmt, block_size, seed, offset, codes, scales)
-    if not bool(torch.isfinite(scales).all()):
-        bad = int((~torch.isfinite(x)).sum())
-        raise ValueError(
-            f"cannot quantize a tensor of shape {tuple(x.shape)} to {fmt}: "
-            f"{bad} NaN/Inf value(s) of {x.numel()}"
-        )
+    _ops.check_quantized_scales(scales, x, fmt)
 
 
 def weight_quantize_sr(x: torch.Tensor, fmt: str, block_size: int = 64, seed: int = 0, offset: int = 0,
@@ -168,10 +163,8 @@ def weight_quantize_sr(x: torch.Tensor, fmt: str, block_size: int = 64, seed: in
                        per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocating form of ``weight_quantize_sr_out``: returns ``(codes, scales)``."""
     _check_sr_format(fmt)
-    if scale_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"scale_dtype={scale_dtype} is not allowed: use torch.float32 or torch.bfloat16")
-    if per_tensor and fmt not in _FP8:
-        raise ValueError(f"per_tensor=True is only for fp8 formats, got fmt={fmt!r}")
+    _check_seed(seed, offset)
+    _ops._check_quantize_args(x, fmt, block_size, scale_dtype, per_tensor)  # before allocating
     n = x.numel()
     codes = torch.empty(n, dtype=_ops.code_dtype(fmt), device=x.device)
     nsc = 1 if per_tensor else _ops.num_blocks(n, block_size)

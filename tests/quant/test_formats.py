@@ -191,3 +191,63 @@ def test_bad_arguments_are_named():
         qw.requantize_(torch.randn(10, 11))
     with pytest.raises(ValueError, match=r"out has shape \(100,\), expected \(10, 10\)"):
         qw.dequantize(out=torch.empty(100))
+
+
+def test_given_scales_must_be_finite_and_non_negative():
+    x = torch.randn(128)
+    for bad in (-1.0, float("nan"), float("inf")):
+        codes = torch.full((128,), 5, dtype=torch.int8)
+        scales = torch.tensor([0.1, bad])
+        msg = rf"scales\[1\]={bad} is not allowed \(1 of 2 bad\): scales must be finite and >= 0"
+        with pytest.raises(ValueError, match=msg):
+            wops.weight_quantize_codes_out(x, scales, "int8", 64, codes)
+        assert bool((codes == 5).all()), "codes were written before the scales were checked"
+    # 0 is an all-zero block's scale: allowed (zero codes), with and without double quantization
+    codes = torch.empty(128, dtype=torch.int8)
+    wops.weight_quantize_codes_out(torch.zeros(128), torch.zeros(2), "int8", 64, codes)
+    assert not codes.any()
+    w = torch.randn(4, 64)
+    w[1] = 0.0
+    assert torch.equal(quantize_weight(w, "nf4", 64, double_quant=True).dequantize()[1], w[1])
+
+
+def test_bf16_scale_overflow_is_not_reported_as_nonfinite_input():
+    w = torch.full((64,), 3.4e38)  # finite; nf4's scale is absmax / 1, above bfloat16's largest value
+    with pytest.raises(ValueError, match=r"to nf4: a block's scale \(absmax / 1\) overflows the scale dtype "
+                                         r"torch.bfloat16, whose largest absmax is about 3.39e\+38"):
+        quantize_weight(w, "nf4", scale_dtype="bf16")
+    assert torch.equal(quantize_weight(w, "nf4").dequantize(), w)  # fp32 scales hold it
+    w[3] = float("nan")
+    with pytest.raises(ValueError, match=r"to nf4: 1 NaN/Inf value\(s\) of 64"):
+        quantize_weight(w, "nf4", scale_dtype="bf16")
+
+
+def test_sr_quantize_checks_arguments_before_allocating():
+    from deepspeed_ppq.quant.sr_ops import weight_quantize_sr
+
+    with pytest.raises(ValueError, match="block_size=0 is not allowed: use a power of two in"):
+        weight_quantize_sr(torch.randn(64), "int8", block_size=0)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        weight_quantize_sr([1.0] * 64, "int8")
+    with pytest.raises(ValueError, match="scale_dtype=torch.float16 is not allowed"):
+        weight_quantize_sr(torch.randn(64), "int8", scale_dtype=torch.float16)
+
+
+def test_storage_bytes_check_arguments_like_quantize_weight():
+    from deepspeed_ppq.quant.formats import weight_storage_bytes
+
+    for bs in (0, 3, 8192):
+        with pytest.raises(ValueError, match=f"block_size={bs} is not allowed: use a power of two"):
+            weight_storage_bytes((64, 64), "int8", block_size=bs)
+    with pytest.raises(ValueError, match="fp8_scale='bogus' is not allowed: use 'block' or 'tensor'"):
+        weight_storage_bytes((64, 64), "fp8_e4m3", fp8_scale="bogus")
+    with pytest.raises(ValueError, match="scale_dtype='fp16' is not allowed"):
+        weight_storage_bytes((64, 64), "int8", scale_dtype="fp16", double_quant=True)
+    with pytest.raises(ValueError, match="fmt='int3' is not a low-bit weight format"):
+        weight_storage_bytes((64, 64), "int3")
+    for shape in ((-64,), (4, -1), (2.5,)):
+        with pytest.raises(ValueError, match=r"shape=.* is not allowed: use a sequence of ints >= 0"):
+            weight_storage_bytes(shape, "int8")
+    # the ledger passes one fp8_scale for every format: "tensor" counts block scales for int8
+    block = weight_storage_bytes((64, 64), "int8")
+    assert weight_storage_bytes((64, 64), "int8", fp8_scale="tensor") == block
