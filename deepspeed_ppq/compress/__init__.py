@@ -21,7 +21,8 @@ The API the engines (DeepSpeed ``PipelineEngine``, megatron-core P2P) code again
 Below the channel, one codec side each: ``BoundaryEncoder``/``BoundaryDecoder`` (``boundary.py``: EF,
 EF21, EF-mixed and AQ-SGD state); payloads are one flat uint8 tensor of fixed size per (shape, dtype,
 codec): see ``codecs.py`` for the layout (an 8-byte header whose first byte flags NaN/Inf seen by the
-sender). State semantics are in ``feedback.py`` and ``aqsgd.py``; the kernels (``ppq::`` ops) in ``ops.py``.
+sender; the receiver checks its method and dtype bytes against its own). State semantics are in
+``feedback.py`` and ``aqsgd.py``; the kernels (``ppq::`` ops) in ``ops.py``.
 A new codec changes ``codecs.py`` (and ``config.py``'s ``CodecConfig``); nothing above the channel.
 """
 

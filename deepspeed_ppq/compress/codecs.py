@@ -4,8 +4,9 @@ A payload is one flat uint8 tensor whose size depends only on (shape, dtype, cod
 allocates it from the logical shape with no metadata exchange. Layout (sections in this order, every
 float section 4-byte aligned)::
 
-    header   8 bytes: [status, method id, bits, values-only flag, 0, 0, 0, 0]
-             status = 1 when the sender saw NaN/Inf (the receiver then decodes a NaN-filled tensor)
+    header   8 bytes: [status, method id, bits, values-only flag, dtype id, 0, 0, 0]
+             status = 1 when the sender saw NaN/Inf (the receiver then decodes a NaN-filled tensor);
+             dtype id = DTYPE_ID of the tensor encoded (0 only from senders older than this byte: rejected)
     none     raw bytes of x (its own dtype)
     quant    mins fp32[G] | scales fp32[G] | codes ceil(numel * bits / 8) bytes
     fp8      scales fp32[G] | codes numel bytes (fp8 bit patterns)
@@ -34,6 +35,7 @@ from deepspeed_ppq.config import CodecConfig
 __all__ = [
     "HEADER_NBYTES",
     "METHOD_ID",
+    "DTYPE_ID",
     "PayloadLayout",
     "payload_layout",
     "payload_nbytes",
@@ -48,6 +50,10 @@ __all__ = [
 HEADER_NBYTES = 8
 METHOD_ID = {"none": 0, "quant": 1, "fp8": 2, "topk": 3}
 """The method id byte of the payload header, per codec method (the receiver checks it against its own)."""
+DTYPE_ID = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+"""The dtype id byte of the payload header: the dtype of the tensor encoded (the receiver checks it against
+the dtype it decodes for). 0 is never written: a payload carrying it predates the byte and is rejected."""
+_DTYPE_OF_ID = {v: k for k, v in DTYPE_ID.items()}
 _FP8_FMT = {"e4m3": 0, "e5m2": 1}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -178,7 +184,15 @@ def _write_header(payload: torch.Tensor, lay: PayloadLayout, bits: int) -> None:
     payload[1] = METHOD_ID[lay.method]
     payload[2] = bits
     payload[3] = int(lay.values_only)
-    payload[4:HEADER_NBYTES] = 0
+    payload[4] = DTYPE_ID[lay.dtype]
+    payload[5:HEADER_NBYTES] = 0
+
+
+def _check_tensor(name: str, t: torch.Tensor, lay: PayloadLayout, dtypes: tuple[torch.dtype, ...]) -> None:
+    if tuple(t.shape) != lay.shape or t.dtype not in dtypes:
+        allowed = " or ".join(str(d) for d in dtypes)
+        raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}; this payload layout is for {allowed} "
+                         f"{lay.shape} (build the layout from the tensor's own shape and dtype)")
 
 
 def encode_into(
@@ -197,7 +211,14 @@ def encode_into(
 
     Returns:
         The TopK indices ``[B, K]`` used (None for other methods).
+
+    Raises:
+        ValueError: ``x`` not of ``lay``'s shape and dtype, or ``payload`` not uint8 of ``lay.nbytes``.
     """
+    _check_tensor("x", x, lay, (lay.dtype,))
+    if payload.dtype != torch.uint8 or payload.numel() != lay.nbytes:
+        raise ValueError(f"payload is {payload.dtype} with {payload.numel()} elements; this layout needs "
+                         f"uint8 of {lay.nbytes} bytes")
     x = x.detach().contiguous()
     status = payload[0:1]
     if lay.method == "none":
@@ -249,21 +270,34 @@ def decode_from(
     """Decode ``payload`` into ``out`` (contiguous, ``lay.shape``); ignores the status byte.
 
     Args:
+        out: ``lay.dtype``, or float32 for a compressing method (the codec state decodes in fp32).
         indices: values-only TopK payloads: the int64 ``[B, K]`` indices the sender gathered at.
 
     Returns:
         The TopK indices ``[B, K]`` (decoded from the payload or the ones given); None for other methods.
+
+    Raises:
+        ValueError: a payload of another size, method or dtype than ``lay``'s, or ``out`` of another shape
+            or dtype.
     """
+    _check_tensor("out", out, lay, (lay.dtype,) if lay.method == "none" else (lay.dtype, torch.float32))
     if payload.dtype != torch.uint8 or payload.numel() != lay.nbytes:
         raise ValueError(
             f"payload has dtype {payload.dtype} and {payload.numel()} bytes; this codec expects uint8 and "
             f"{lay.nbytes} bytes for shape {lay.shape} {lay.dtype} (same codec on both stages?)"
         )
-    mid = int(payload[1])
+    _, mid, _, _, did = payload[:5].tolist()  # one read (a device sync on GPU)
     if mid != METHOD_ID[lay.method]:
         raise ValueError(
             f"payload was encoded with method id {mid}, the receiver expects {lay.method!r} "
             f"(id {METHOD_ID[lay.method]}): sender and receiver codec configs differ"
+        )
+    if did != DTYPE_ID[lay.dtype]:
+        sent = _DTYPE_OF_ID.get(did, f"an unknown dtype (id {did})" if did else
+                                "no recorded dtype (dtype id 0: a sender older than the dtype byte)")
+        raise ValueError(
+            f"payload was encoded from {sent}, the receiver decodes it as {lay.dtype} (id "
+            f"{DTYPE_ID[lay.dtype]}): sender and receiver must use the same boundary dtype and version"
         )
     if lay.method == "none":
         out.view(-1).view(torch.uint8).copy_(_section(payload, lay.sec[0]))
@@ -292,5 +326,7 @@ def decode_from(
     if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= lay.cols):
         raise ValueError(f"TopK indices outside [0, {lay.cols}) (min {int(indices.min())}, max "
                          f"{int(indices.max())}): a corrupted payload or indices from another tensor")
+    if values.dtype != out.dtype:  # a float32 out (codec state): widen exactly, as the kernels need one dtype
+        values = values.to(out.dtype)
     ops.topk_decode(values, indices, out.view(B, lay.cols))
     return indices

@@ -55,8 +55,23 @@ class FeedbackState:
 
 def mixed_topk_indices(x: torch.Tensor, e: torch.Tensor, k: int) -> torch.Tensor:
     """EF-mixed selection on ``[B, L]``: ``ceil(k/2)`` largest ``|x|`` plus ``floor(k/2)`` largest ``|e|``
-    among the remaining indices; int64 ``[B, k]`` in ascending order (ties to the lower index)."""
+    among the remaining indices; int64 ``[B, k]`` in ascending order (ties to the lower index).
+
+    Args:
+        x: the message ``[B, L]``.
+        e: the error-feedback buffer, of ``x``'s shape.
+        k: indices per sample, in ``[1, L]``.
+
+    Raises:
+        ValueError: ``x`` not 2-D, ``e`` of another shape, or ``k`` outside ``[1, L]``.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x has shape {tuple(x.shape)}: mixed_topk_indices takes [B, L]")
     B, L = x.shape
+    if tuple(e.shape) != (B, L):
+        raise ValueError(f"e has shape {tuple(e.shape)}, it must match x's [B, L]=[{B}, {L}]")
+    if not 1 <= k <= L:
+        raise ValueError(f"k={k} must lie in [1, L={L}] (indices per sample of {L} elements)")
     k1 = (k + 1) // 2
     k2 = k - k1
     s1 = torch.empty(B, k1, dtype=torch.int64, device=x.device)

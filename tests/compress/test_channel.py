@@ -243,3 +243,12 @@ def test_bad_arguments_are_named():
         BoundaryChannel(cfg, side="downstream").send("activations", torch.randn(2, 4))
     with pytest.raises(ValueError, match="needs a BoundaryChannel.*side='both'"):
         compressed_boundary(torch.randn(2, 4), BoundaryChannel(cfg, side="upstream"))
+
+
+@pytest.mark.parametrize("codec", [TOPK, Q8])
+def test_a_payload_received_as_another_dtype_is_an_error_naming_both(codec):
+    """fp16 sent, bf16 expected: the payload sizes agree, the header's dtype byte does not."""
+    ch = BoundaryChannel(load_ppq_config({"activations": codec}))
+    wire = ch.send("activations", torch.randn(2, 64, dtype=torch.float16), micro_batch=0)
+    with pytest.raises(ValueError, match=r"encoded from torch.float16, the receiver decodes it as torch.bf"):
+        ch.recv("activations", wire, (2, 64), torch.bfloat16, micro_batch=0)

@@ -18,6 +18,8 @@ from deepspeed_ppq.compress import (
     compressed_boundary,
     payload_nbytes,
 )
+from deepspeed_ppq.compress.codecs import DTYPE_ID, decode_from, encode_into, payload_layout
+from deepspeed_ppq.compress.feedback import mixed_topk_indices
 from deepspeed_ppq.config import AQSGDConfig, CodecConfig, PPQConfig
 
 CODECS = (
@@ -387,3 +389,67 @@ def test_encode_into_a_reused_buffer():
         assert p.data_ptr() == buf.data_ptr() and torch.equal(p, e1.encode(x))
     with pytest.raises(ValueError, match=r"out must be a contiguous uint8 tensor of \d+ bytes"):
         e2.encode(x, out=torch.empty(3, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("method", ["none", "quant", "fp8", "topk"])
+def test_payload_records_its_dtype_and_decode_checks_it(method):
+    """fp16 and bf16 payloads are the same size: the header's dtype byte stops a decode as the other."""
+    cfg = CodecConfig(method=method)
+    x = torch.randn(2, 64, dtype=torch.float16)
+    lay, as_bf16 = payload_layout(cfg, x.shape, x.dtype), payload_layout(cfg, x.shape, torch.bfloat16)
+    assert lay.nbytes == as_bf16.nbytes
+    payload = torch.empty(lay.nbytes, dtype=torch.uint8)
+    encode_into(cfg, x, payload, lay)
+    assert int(payload[4]) == DTYPE_ID[torch.float16]
+    with pytest.raises(ValueError, match=r"encoded from torch.float16, the receiver decodes it as torch.bf"):
+        decode_from(cfg, payload, as_bf16, torch.empty(2, 64, dtype=torch.bfloat16))
+    payload[4] = 0  # a sender from before the dtype byte
+    with pytest.raises(ValueError, match="no recorded dtype"):
+        decode_from(cfg, payload, lay, torch.empty_like(x))
+
+
+@pytest.mark.parametrize("method", ["none", "quant", "fp8", "topk"])
+def test_encode_into_and_decode_from_check_tensors_against_the_layout(method):
+    cfg = CodecConfig(method=method)
+    lay = payload_layout(cfg, (4, 8), torch.bfloat16)
+    payload = torch.empty(lay.nbytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"x is torch.float16 \(4, 8\); this payload layout is for torch.bf"):
+        encode_into(cfg, torch.randn(4, 8, dtype=torch.float16), payload, lay)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"payload is torch.uint8 with {lay.nbytes + 4} elements"):
+        encode_into(cfg, x, torch.empty(lay.nbytes + 4, dtype=torch.uint8), lay)
+    encode_into(cfg, x, payload, lay)
+    with pytest.raises(ValueError, match=r"out is torch.float16 \(4, 8\)"):
+        decode_from(cfg, payload, lay, torch.empty(4, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"out is torch.bfloat16 \(8, 4\)"):
+        decode_from(cfg, payload, lay, torch.empty(8, 4, dtype=torch.bfloat16))
+    out = torch.empty(4, 8, dtype=torch.bfloat16)
+    decode_from(cfg, payload, lay, out)
+    if method == "none":  # raw bytes: only the layout's own dtype
+        assert torch.equal(out, x)
+        with pytest.raises(ValueError, match=r"out is torch.float32"):
+            decode_from(cfg, payload, lay, torch.empty(4, 8))
+    else:  # the codec state decodes into fp32: the same values, unrounded
+        wide = torch.empty(4, 8)
+        decode_from(cfg, payload, lay, wide)
+        assert torch.equal(wide.bfloat16(), out)
+
+
+@pytest.mark.parametrize("ef", ["ef", "ef21", "ef_mixed"])
+def test_topk_error_feedback_on_bf16(ef):
+    """EF state decodes a bf16 TopK payload into fp32 (the C++ kernel takes one dtype: values are widened)."""
+    enc, dec = _pair(CodecConfig(method="topk", topk_ratio=0.25, error_feedback=ef))
+    for _ in range(2):
+        x = torch.randn(2, 64, dtype=torch.bfloat16)
+        y = dec.decode(enc.encode(x), x.shape, x.dtype)
+        assert y.dtype == torch.bfloat16 and torch.isfinite(y).all() and enc.state.buf.dtype == torch.float32
+
+
+def test_mixed_topk_indices_rejects_k_and_e_out_of_range():
+    x = torch.randn(2, 4)
+    assert mixed_topk_indices(x, torch.randn(2, 4), 4).tolist() == [[0, 1, 2, 3]] * 2
+    for k in (5, 0):
+        with pytest.raises(ValueError, match=rf"k={k} must lie in \[1, L=4\]"):
+            mixed_topk_indices(x, torch.randn(2, 4), k)
+    with pytest.raises(ValueError, match=r"e has shape \(2, 8\), it must match x's \[B, L\]=\[2, 4\]"):
+        mixed_topk_indices(x, torch.randn(2, 8), 3)

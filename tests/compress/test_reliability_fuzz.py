@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deepspeed_ppq.compress import BoundaryDecoder
-from deepspeed_ppq.compress.codecs import METHOD_ID
+from deepspeed_ppq.compress.codecs import DTYPE_ID, METHOD_ID
 from deepspeed_ppq.config import CodecConfig, PPQConfigError, load_ppq_config
 
 SHAPE = (2, 3, 8)
@@ -44,6 +44,7 @@ def test_random_payload_decodes_or_raises_value_error(name, data, exact):
     if exact:  # a valid header (random status), so the body reaches the kernels
         payload[0] = data.draw(st.sampled_from([0, 0, 0, 1]))
         payload[1] = METHOD_ID[CODECS[name].method]
+        payload[4] = DTYPE_ID[torch.float32]
     indices = None
     if dec.values_only:
         k = int(data.draw(st.integers(1, 6)))
