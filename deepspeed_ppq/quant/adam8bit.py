@@ -28,7 +28,8 @@ by up to three) (``tests/quant/test_adam8bit.py``). The C++ kernel follows the r
 same order (the square root correctly rounded: ``_sqrt``): the two agree bit for bit.
 
 ``optimizer_class("adam8bit" | "adamw8bit")`` gives bitsandbytes' optimizers (same state, ``state_dict``
-and hyper-parameters) whose CPU step runs this op; other devices keep bitsandbytes' kernels.
+and hyper-parameters) whose CPU step runs this op on fp32 parameters; other devices and bf16/fp16
+parameters keep bitsandbytes' kernels.
 """
 
 from __future__ import annotations
@@ -40,9 +41,26 @@ import torch
 
 from deepspeed_ppq.ops import define_op
 
-__all__ = ["BNB_BLOCK_SIZE", "adam8bit_step", "optimizer_class"]
+__all__ = ["BNB_BLOCK_SIZE", "MIN_8BIT_SIZE", "adam8bit_step", "optimizer_class"]
 
 BNB_BLOCK_SIZE = 256  # values per absmax, as bitsandbytes' blockwise optimizers (Optimizer2State)
+MIN_8BIT_SIZE = 4096  # bitsandbytes' default, and build_optimizer's: smaller tensors keep fp32 states
+
+# torch's Adam ranges; the gradient's multiplier (a clipping coefficient) must be positive
+_AT_LEAST_0 = (lambda v: v >= 0, ">= 0")
+_BETA = (lambda v: 0 <= v < 1, "in [0, 1)")
+_ABOVE_0 = (lambda v: v > 0, "> 0")
+
+
+def _check_hyper(lr, betas, eps, weight_decay, scale, beta_names=("beta1", "beta2"),
+                 scale_name="gnorm_scale") -> None:
+    """Raise a ValueError naming the first hyper-parameter that is not a finite number in its range
+    (lr, eps, weight_decay >= 0; each beta in [0, 1); the gradient's multiplier ``scale`` > 0)."""
+    named = [("lr", lr, _AT_LEAST_0), ("eps", eps, _AT_LEAST_0), ("weight_decay", weight_decay, _AT_LEAST_0),
+             *((n, b, _BETA) for n, b in zip(beta_names, betas, strict=True)), (scale_name, scale, _ABOVE_0)]
+    for name, value, (ok, allowed) in named:
+        if not (math.isfinite(value) and ok(value)):
+            raise ValueError(f"{name}={value!r} is not allowed: use a finite number {allowed}")
 
 
 def _sqrt(x: torch.Tensor) -> torch.Tensor:
@@ -132,34 +150,35 @@ def adam8bit_step(p: torch.Tensor, g: torch.Tensor, state1: torch.Tensor, state2
                 f"{name} is a {t.dtype} tensor of {t.numel()} values on {t.device} (contiguous: "
                 f"{t.is_contiguous()}); needs a contiguous {dt} tensor of {size} values on {p.device}"
             )
-    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-        raise ValueError(f"betas=({beta1}, {beta2}) must each be in [0, 1)")
-    if not isinstance(step, int) or step < 1:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
         raise ValueError(f"step={step!r} must be an int >= 1")
-    if lr < 0 or eps < 0 or weight_decay < 0:
-        raise ValueError(f"lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0")
+    _check_hyper(lr, (beta1, beta2), eps, weight_decay, gnorm_scale)
     _step_op(p, g, state1, state2, absmax1, absmax2, qmap1, qmap2, float(beta1), float(beta2), float(eps),
              step, float(lr), float(weight_decay), float(gnorm_scale))
 
 
 def _fused_cpu_step(opt, group, p, gindex, pindex) -> bool:
     """The CPU 8-bit branch of bitsandbytes' ``Optimizer2State.update_step`` through our op. Returns
-    False (nothing done) where bitsandbytes' own kernel should run: another device, 32-bit states,
-    or an option the op does not implement."""
+    False (nothing done) where bitsandbytes' own kernel should run: another device, a bf16/fp16
+    parameter, 32-bit states, or an option the op does not implement. The step count advances only
+    once the op accepted its inputs."""
     state = opt.state[p]
-    if p.device.type != "cpu" or "state1" not in state or state["state1"].dtype != torch.uint8:
+    if p.device.type != "cpu" or p.dtype != torch.float32:
+        return False
+    if "state1" not in state or state["state1"].dtype != torch.uint8:
         return False
     config = opt.get_config(gindex, pindex, group)
     betas = config["betas"]
     if config.get("max_unorm", 0.0) > 0.0 or config.get("skip_zeros") or len(betas) > 2 and betas[2]:
         return False
     p.data = p.data.contiguous()
-    state["step"] += 1
+    step = int(state["step"]) + 1
     adam8bit_step(
         p.data, p.grad.contiguous(), state["state1"], state["state2"], state["absmax1"], state["absmax2"],
         state["qmap1"], state["qmap2"], beta1=betas[0], beta2=betas[1], eps=config["eps"],
-        step=int(state["step"]), lr=config["lr"], weight_decay=config["weight_decay"],
+        step=step, lr=config["lr"], weight_decay=config["weight_decay"],
     )  # fmt: skip
+    state["step"] = step
     return True
 
 

@@ -38,6 +38,7 @@ process keeps one dense buffer per compute dtype and device, as large as its lar
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 import zlib
 
@@ -47,6 +48,7 @@ from torch import nn
 
 from deepspeed_ppq.config import WeightFormat, WeightsConfig
 from deepspeed_ppq.formats import MASTER_FREE_FORMATS, format_spec
+from deepspeed_ppq.quant.adam8bit import BNB_BLOCK_SIZE, MIN_8BIT_SIZE
 from deepspeed_ppq.quant.formats import QuantizedWeight, quantize_weight
 from deepspeed_ppq.quant.ops import weight_dequantize, weight_quantize
 from deepspeed_ppq.quant.policy import as_policy, plan
@@ -83,6 +85,13 @@ def workspace_tensors() -> dict[tuple, torch.Tensor]:
 def clear_workspace() -> None:
     """Free the shared dequantization buffers (they are re-created on the next forward)."""
     _WORKSPACE.clear()
+
+
+def _check_sr_seed(seed, name: str = "sr_seed") -> int:
+    """``seed`` as an int; a ValueError where the stochastic-rounding kernels would refuse it."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**32:
+        raise ValueError(f"{name}={seed!r} is not allowed: use an int in [0, 2^32)")
+    return int(seed)
 
 
 def _dequantized(layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
@@ -229,7 +238,7 @@ class QuantLinear(nn.Module):
         if self.master_free and not format_spec(fmt).master_free:
             allowed = ", ".join(MASTER_FREE_FORMATS)
             raise ValueError(f"master='none' needs an 8-bit format ({allowed}), got fmt={fmt.value!r}")
-        self.sr_seed = int(sr_seed)
+        self.sr_seed = _check_sr_seed(sr_seed)
         self.weight_grad: torch.Tensor | None = None  # master-free: accumulated weight gradient
         self.grad_bucket = None  # master-free: the flat buffer its gradient is a view of (attach_master_free)
         # master-free: called by backward with (layer, grad_y [N, out], x [N, in]) to update the weight
@@ -329,31 +338,80 @@ class QuantLinear(nn.Module):
             self._grad_anchor = torch.empty(0, device=dev, requires_grad=True)
         return self
 
+    def _optim_layout(self) -> dict[str, tuple[tuple, torch.dtype]]:
+        """Master-free: the AdamW states this layer keeps, name -> (shape, dtype): with
+        ``optimizer_8bit`` (and at least ``MIN_8BIT_SIZE`` values) uint8 codes and fp32 absmax per block
+        of ``BNB_BLOCK_SIZE``, as bitsandbytes' 8-bit Adam; else two fp32 moments."""
+        shape, n = tuple(self.qweight.shape), self.qweight.qdata.numel()
+        if self.weights_cfg.optimizer_8bit and n >= MIN_8BIT_SIZE:
+            nb = math.ceil(n / BNB_BLOCK_SIZE)
+            codes, absmax = (shape, torch.uint8), ((nb,), torch.float32)
+            return {"state1": codes, "state2": codes, "absmax1": absmax, "absmax2": absmax}
+        return {"exp_avg": (shape, torch.float32), "exp_avg_sq": (shape, torch.float32)}
+
     def get_extra_state(self):
         if self.mode == "train" and not self.master_free:  # derived from the master weight
             return {"format": self.format.value}
-        state = {"format": self.format.value, **{k: v for k, v in self.qweight.storage_tensors().items()}}
+        state = {"format": self.format.value, "block_size": self.qweight.block_size,
+                 **self.qweight.storage_tensors()}
         if self.master_free:
             state["sr_seed"] = self.sr_seed
             state["optim_step"] = self.optim_step
             state.update({f"optim.{k}": v for k, v in self.optim_state.items()})
         return state
 
-    def set_extra_state(self, state) -> None:
+    def _check_extra_state(self, state) -> None:
+        """Raise a ValueError naming the first field of a checkpoint's extra state that does not fit this
+        layer (format, block size, double quantization, each tensor's shape and dtype, SR seed, step)."""
         if state.get("format") != self.format.value:
             raise ValueError(
                 f"checkpoint holds format {state.get('format')!r}, this layer is {self.format.value!r}"
             )
-        if self.mode == "frozen" or self.master_free:
-            for k, v in state.items():
-                if k in ("qdata", "scale", "scale_scale"):
-                    getattr(self.qweight, k).copy_(v)
-            self.quant_version += 1
+        if not (self.mode == "frozen" or self.master_free):
+            return  # nothing else is loaded: the codes are re-quantized from the master
+        qw = self.qweight
+        for field, saved, expected in (
+            ("block_size", state.get("block_size", qw.block_size), qw.block_size),  # older: shapes tell
+            ("double_quant", "scale_scale" in state, qw.double_quant),
+        ):
+            if saved != expected:
+                raise ValueError(f"checkpoint holds {field}={saved!r}, this layer has {field}={expected!r}; "
+                                 "build it with the weights config the checkpoint was saved with")
+        layout = {k: (tuple(v.shape), v.dtype) for k, v in qw.storage_tensors().items()}
         if self.master_free:
             if "optim_step" not in state:
                 raise ValueError(
                     "checkpoint of a master-free QuantLinear lacks 'optim_step' (saved with master='fp32'?)"
                 )
+            _check_sr_seed(state.get("sr_seed"), "checkpoint's sr_seed")
+            step = state["optim_step"]
+            if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+                raise ValueError(f"checkpoint's optim_step={step!r} is not allowed: use an int >= 0")
+            saved = sorted(k for k in state if k.startswith("optim."))
+            optim = {f"optim.{k}": v for k, v in self._optim_layout().items()}
+            if saved and saved != sorted(optim):
+                raise ValueError(
+                    f"checkpoint holds optimizer states {saved}, this layer keeps {sorted(optim)} "
+                    f"(weights.optimizer_8bit={self.weights_cfg.optimizer_8bit}, {qw.qdata.numel()} values)"
+                )
+            layout.update(optim if saved else {})
+        for k, (shape, dtype) in layout.items():
+            v = state.get(k)
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape or v.dtype != dtype:
+                got = "missing" if v is None else repr(v)
+                if isinstance(v, torch.Tensor):
+                    got = f"a {v.dtype} tensor of shape {tuple(v.shape)}"
+                raise ValueError(
+                    f"checkpoint's {k} is {got}; this layer needs a {dtype} tensor of shape {shape}"
+                )
+
+    def set_extra_state(self, state) -> None:
+        self._check_extra_state(state)  # all of it, before anything is written
+        if self.mode == "frozen" or self.master_free:
+            for k, t in self.qweight.storage_tensors().items():
+                t.copy_(state[k])
+            self.quant_version += 1
+        if self.master_free:
             self.sr_seed = int(state["sr_seed"])
             self.optim_step = int(state["optim_step"])
             dev = self.qweight.qdata.device

@@ -76,9 +76,9 @@ from torch import nn
 
 from deepspeed_ppq.ops import define_op, registered_ops
 from deepspeed_ppq.quant import ops as _wops
-from deepspeed_ppq.quant.adam8bit import BNB_BLOCK_SIZE, _sqrt, _step_ref, adam8bit_step
+from deepspeed_ppq.quant.adam8bit import _check_hyper, _sqrt, _step_ref, adam8bit_step
 from deepspeed_ppq.quant.linear import QuantLinear, _workspace
-from deepspeed_ppq.quant.optim import MIN_8BIT_SIZE, after_each_step, underlying_optimizer
+from deepspeed_ppq.quant.optim import after_each_step, underlying_optimizer
 from deepspeed_ppq.quant.sr_ops import _quantize_sr_out_ref, weight_quantize_sr_out
 
 __all__ = [
@@ -226,22 +226,10 @@ def zero_master_free_grads(model_or_layers) -> None:
             m.weight_grad.zero_()
 
 
-def _init_state(layer, state_8bit: bool) -> dict:
-    n = layer.qweight.qdata.numel()
+def _init_state(layer) -> dict:
     dev = layer.qweight.qdata.device
-    shape = tuple(layer.qweight.shape)
-    if state_8bit and n >= MIN_8BIT_SIZE:
-        nb = math.ceil(n / BNB_BLOCK_SIZE)
-        return {
-            "state1": torch.zeros(shape, dtype=torch.uint8, device=dev),
-            "state2": torch.zeros(shape, dtype=torch.uint8, device=dev),
-            "absmax1": torch.zeros(nb, dtype=torch.float32, device=dev),
-            "absmax2": torch.zeros(nb, dtype=torch.float32, device=dev),
-        }
-    return {
-        "exp_avg": torch.zeros(shape, dtype=torch.float32, device=dev),
-        "exp_avg_sq": torch.zeros(shape, dtype=torch.float32, device=dev),
-    }
+    layout = layer._optim_layout()
+    return {k: torch.zeros(shape, dtype=dtype, device=dev) for k, (shape, dtype) in layout.items()}
 
 
 @torch.no_grad()
@@ -256,19 +244,22 @@ def master_free_step(layers, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, w
 
     Returns:
         How many layers were updated (a layer without a gradient buffer yet is skipped).
+
+    Raises:
+        ValueError: a hyper-parameter that is not finite or out of torch's Adam range (``grad_scale``
+            must be > 0), before any layer changes.
     """
+    _check_hyper(lr, betas, eps, weight_decay, grad_scale, ("betas[0]", "betas[1]"), "grad_scale")
     b1, b2 = betas
     done = 0
     for m in layers:
         g = m.weight_grad
         if g is None:
             continue
-        state_8bit = bool(m.weights_cfg.optimizer_8bit)
         if not m.optim_state:
-            m.optim_state.update(_init_state(m, state_8bit))
+            m.optim_state.update(_init_state(m))
         st = m.optim_state
-        m.optim_step += 1
-        t = m.optim_step
+        t = m.optim_step + 1  # counted once the update has run: not where its inputs are refused
         qw = m.qweight
         n = qw.qdata.numel()
         fmt, offset = qw.fmt.value, (t * n) % 2**62
@@ -282,6 +273,7 @@ def master_free_step(layers, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, w
             hyper = (float(b1), float(b2), float(eps), t, float(lr), float(weight_decay), float(grad_scale))
             g = g.contiguous()
             _master_free_op(qw.qdata, qw.scale, fmt, qw.block_size, g, *states, *hyper, m.sr_seed, offset)
+            m.optim_step = t
             _check_finite_update(qw, fmt)
         else:  # a per-tensor fp8 scale: the three ops (see the module docstring)
             w = qw.dequantize(torch.float32)  # transient fp32 copy of this one layer
@@ -296,6 +288,7 @@ def master_free_step(layers, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, w
                 m1, m2 = st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1)
                 hyper = (b1, b2, eps, t, lr, weight_decay, grad_scale)
                 _adamw_fp32_ref(w.view(-1), g.reshape(-1), m1, m2, *hyper)
+            m.optim_step = t
             weight_quantize_sr_out(w, fmt, qw.block_size, m.sr_seed, offset, qw.qdata, qw.scale)
         m.quant_version += 1
         done += 1
@@ -504,6 +497,9 @@ def attach_master_free(optimizer, model: nn.Module, *, max_grad_norm: float | No
             scale = 1.0
             if max_grad_norm:
                 norm = master_free_grad_norm(layers, dp_world_size)
+                if not math.isfinite(norm):
+                    raise ValueError(f"master-free gradient norm is {norm} (a NaN/Inf gradient); "
+                                     "no master-free layer was updated")
                 scale = min(1.0, max_grad_norm / (norm + 1e-6))
             _step_with(opt, layers, scale)
             zero_master_free_grads(layers)

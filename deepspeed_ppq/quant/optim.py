@@ -5,11 +5,12 @@ Supported kinds (``OPTIMIZER_KINDS``):
 * ``adam`` / ``adamw``: ``torch.optim.Adam``/``AdamW``. State per parameter tensor: ``exp_avg`` and
   ``exp_avg_sq`` shaped and typed like the parameter (8 B/param for fp32) plus a 0-dim fp32 ``step``.
 * ``adam8bit`` / ``adamw8bit``: bitsandbytes ``Adam8bit``/``AdamW8bit`` (block-wise dynamic 8-bit
-  states), whose CPU step is our fused kernel (``quant.adam8bit``: bitsandbytes' CPU backend is ~40x
-  slower than fp32 Adam). A tensor with at least ``min_8bit_size`` (4096) elements gets two uint8
-  states (2 B/param) plus two fp32 ``absmax`` per block of 256; smaller tensors keep two fp32
-  states (8 B/param). Two 256-entry fp32 code maps (``qmap1``, ``qmap2``) are shared by all tensors
-  of one optimizer. ``step`` is a Python int (no tensor).
+  states), whose CPU step on fp32 parameters is our fused kernel (``quant.adam8bit``: bitsandbytes'
+  CPU backend is ~40x slower than fp32 Adam; bf16/fp16 parameters keep its step). A tensor with at
+  least ``min_8bit_size`` (4096) elements gets two uint8 states (2 B/param) plus two fp32 ``absmax``
+  per block of 256; smaller tensors keep two fp32 states (8 B/param). Two 256-entry fp32 code maps
+  (``qmap1``, ``qmap2``) are shared by all tensors of one optimizer. ``step`` is a Python int (no
+  tensor).
 * ``sgd``: ``torch.optim.SGD``; a ``momentum_buffer`` like the gradient when ``momentum > 0``, else none.
 
 ``requantize_after_step(optimizer, model)`` refreshes every ``QuantLinear`` compute copy from its
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from deepspeed_ppq.quant import adam8bit
-from deepspeed_ppq.quant.adam8bit import BNB_BLOCK_SIZE
+from deepspeed_ppq.quant.adam8bit import BNB_BLOCK_SIZE, MIN_8BIT_SIZE
 from deepspeed_ppq.quant.linear import QuantLinear
 
 __all__ = [
@@ -44,7 +45,6 @@ __all__ = [
 ]
 
 OPTIMIZER_KINDS = ("adam", "adamw", "adam8bit", "adamw8bit", "sgd")
-MIN_8BIT_SIZE = 4096  # bitsandbytes' default, and build_optimizer's: smaller tensors keep fp32 states
 _BNB_QMAP_BYTES = 256 * 4  # one 256-entry fp32 code map
 
 

@@ -158,10 +158,62 @@ def test_bad_input_names_the_field():
     kw = dict(beta2=0.999, eps=1e-8, lr=1e-3)
     with pytest.raises(ValueError, match="step=0"):
         adam8bit_step(*a[:1], torch.zeros(300), *a[1:], Q1, Q2, beta1=0.9, step=0, **kw)
-    with pytest.raises(ValueError, match="betas"):
+    with pytest.raises(ValueError, match="step=True"):
+        adam8bit_step(*a[:1], torch.zeros(300), *a[1:], Q1, Q2, beta1=0.9, step=True, **kw)
+    with pytest.raises(ValueError, match=r"beta1=1.0 is not allowed: use a finite number in \[0, 1\)"):
         adam8bit_step(*a[:1], torch.zeros(300), *a[1:], Q1, Q2, beta1=1.0, step=1, **kw)
     with pytest.raises(ValueError, match="not an 8-bit Adam"):
         optimizer_class("adam")
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"lr": float("nan")}, "lr=nan is not allowed: use a finite number >= 0"),
+        ({"lr": float("inf")}, "lr=inf is not allowed"),
+        ({"lr": -1e-3}, "lr=-0.001 is not allowed"),
+        ({"eps": float("nan")}, "eps=nan is not allowed"),
+        ({"weight_decay": float("nan")}, "weight_decay=nan is not allowed"),
+        ({"beta2": float("nan")}, r"beta2=nan is not allowed: use a finite number in \[0, 1\)"),
+        ({"gnorm_scale": float("nan")}, "gnorm_scale=nan is not allowed: use a finite number > 0"),
+        ({"gnorm_scale": 0.0}, "gnorm_scale=0.0 is not allowed"),
+        ({"gnorm_scale": -1.0}, "gnorm_scale=-1.0 is not allowed"),
+    ],
+)
+def test_bad_hyper_parameter_is_named_and_nothing_changes(kw, match):
+    a = _state(300)
+    before = [t.clone() for t in a]
+    hyper = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "step": 1, "lr": 1e-3, **kw}
+    with pytest.raises(ValueError, match=match):
+        adam8bit_step(a[0], torch.randn(300), *a[1:], Q1, Q2, **hyper)
+    _assert_equal_states(a, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bf16_and_fp16_parameters_take_bitsandbytes_step(dtype):
+    """The fused op is fp32; a bf16/fp16 parameter steps as bitsandbytes' own AdamW8bit steps it."""
+    torch.manual_seed(0)
+    ours = torch.nn.Parameter(torch.randn(64, 128, dtype=dtype))
+    theirs = torch.nn.Parameter(ours.detach().clone())
+    opts = [build_optimizer([ours], "adamw8bit", lr=1e-2, weight_decay=0.1),
+            bnb.optim.AdamW8bit([theirs], lr=1e-2, weight_decay=0.1)]
+    for _ in range(2):
+        ours.grad = torch.randn_like(ours)
+        theirs.grad = ours.grad.clone()
+        for opt in opts:
+            opt.step()
+    assert torch.equal(ours, theirs) and opts[0].state[ours]["step"] == 2
+
+
+def test_a_refused_step_is_not_counted():
+    p = torch.nn.Parameter(torch.randn(64, 128))
+    p.grad = torch.randn_like(p)
+    opt = build_optimizer([p], "adamw8bit", lr=1e-2)
+    opt.step()
+    opt.state[p]["absmax1"] = torch.zeros(1)  # as a checkpoint of another parameter's layout
+    with pytest.raises(ValueError, match="absmax1 is a torch.float32 tensor of 1 values"):
+        opt.step()
+    assert opt.state[p]["step"] == 1
 
 
 @native

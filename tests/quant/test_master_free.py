@@ -479,6 +479,81 @@ def test_checkpoint_resumes_bit_for_bit():
         assert torch.equal(la.qweight.qdata, lb.qweight.qdata) and la.optim_step == lb.optim_step == 5
 
 
+def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_written():
+    """The optimizer states, SR seed and step of a master-free checkpoint are checked against the layer's
+    own layout before any of it (or the codes) is written."""
+    a, _ = _mf_layer(in_f=300, out_f=70, optimizer_8bit=True)  # 21000 values: 8-bit states
+    a.weight_grad = torch.randn(70, 300)
+    master_free_step([a], 1e-2)
+    b, _ = _mf_layer(in_f=300, out_f=70)  # fp32 states
+    b.weight_grad = torch.randn(70, 300)
+    master_free_step([b], 1e-2)
+    before = {"qdata": b.qweight.qdata.clone(), **{k: v.clone() for k, v in b.optim_state.items()}}
+
+    def refused(sd, match):
+        with pytest.raises(ValueError, match=match):
+            b.load_state_dict(sd)
+        assert b.optim_step == 1 and b.sr_seed == 11 and torch.equal(b.qweight.qdata, before["qdata"])
+        assert sorted(b.optim_state) == ["exp_avg", "exp_avg_sq"]
+        assert all(torch.equal(v, before[k]) for k, v in b.optim_state.items())
+
+    refused(a.state_dict(), r"holds optimizer states \['optim.absmax1', 'optim.absmax2', 'optim.state1', "
+            r"'optim.state2'\], this layer keeps \['optim.exp_avg', 'optim.exp_avg_sq'\]")
+    sd = b.state_dict()
+    sd["_extra_state"] = {**sd["_extra_state"], "optim.exp_avg": torch.zeros(70)}  # broadcastable
+    refused(sd, r"optim.exp_avg is a torch.float32 tensor of shape \(70,\); this layer needs a "
+            r"torch.float32 tensor of shape \(70, 300\)")
+    sd["_extra_state"] = {**b.state_dict()["_extra_state"], "sr_seed": -1}
+    refused(sd, r"checkpoint's sr_seed=-1 is not allowed: use an int in \[0, 2\^32\)")
+    sd["_extra_state"] = {**b.state_dict()["_extra_state"], "optim_step": -3}
+    refused(sd, "checkpoint's optim_step=-3 is not allowed")
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"lr": math.nan}, "lr=nan is not allowed: use a finite number >= 0"),
+        ({"lr": math.inf}, "lr=inf is not allowed"),
+        ({"eps": math.nan}, "eps=nan is not allowed"),
+        ({"weight_decay": math.nan}, "weight_decay=nan is not allowed"),
+        ({"weight_decay": -0.1}, "weight_decay=-0.1 is not allowed"),
+        ({"betas": (1.0, 0.999)}, r"betas\[0\]=1.0 is not allowed: use a finite number in \[0, 1\)"),
+        ({"betas": (0.9, math.nan)}, r"betas\[1\]=nan is not allowed"),
+        ({"grad_scale": 0.0}, "grad_scale=0.0 is not allowed: use a finite number > 0"),
+        ({"grad_scale": math.inf}, "grad_scale=inf is not allowed"),
+    ],
+)
+def test_step_refuses_bad_hyper_parameters_before_any_change(kw, match):
+    layer, _ = _mf_layer()
+    layer.weight_grad = torch.randn(45, 70)
+    codes = layer.qweight.qdata.clone()
+    with pytest.raises(ValueError, match=match):
+        master_free_step([layer], **{"lr": 1e-2, **kw})
+    assert layer.optim_step == 0 and not layer.optim_state and torch.equal(layer.qweight.qdata, codes)
+
+
+def test_a_refused_update_does_not_count_a_step():
+    layer, _ = _mf_layer()
+    layer.weight_grad = torch.randn(45, 70, dtype=torch.float16)
+    with pytest.raises((RuntimeError, TypeError), match="g has dtype"):
+        master_free_step([layer], 1e-2)
+    assert layer.optim_step == 0
+    layer.weight_grad = layer.weight_grad.float()
+    assert master_free_step([layer], 1e-2) == 1 and layer.optim_step == 1
+
+
+def test_a_non_finite_gradient_norm_stops_the_step_before_any_update():
+    layer, _ = _mf_layer()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    attach_master_free(opt, layer, max_grad_norm=1.0)
+    layer(torch.randn(6, 70)).sum().backward()
+    layer.weight_grad[3, 5] = math.nan
+    codes = layer.qweight.qdata.clone()
+    with pytest.raises(ValueError, match="master-free gradient norm is nan"):
+        opt.step()
+    assert layer.optim_step == 0 and torch.equal(layer.qweight.qdata, codes)
+
+
 @pytest.mark.parametrize("grad_dtype,state_8bit", [("fp32", False), ("bf16", True)])
 def test_update_in_backward_equals_the_accumulating_path_bit_for_bit(grad_dtype, state_8bit):
     """One backward per step: the layers updated in their backward, with no gradient buffer, end where

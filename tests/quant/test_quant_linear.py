@@ -284,9 +284,56 @@ def test_frozen_state_dict_carries_the_codes():
         _layer("int8", mode="frozen").load_state_dict(a.state_dict())
 
 
+@pytest.mark.parametrize(
+    "fmt,saved,expected,match",
+    [
+        ("nf4", {}, {"double_quant": True}, "holds double_quant=False, this layer has double_quant=True"),
+        ("nf4", {"double_quant": True}, {}, "holds double_quant=True, this layer has double_quant=False"),
+        ("int8", {"block_size": 256}, {}, "holds block_size=256, this layer has block_size=64"),
+        ("int8", {"scale_dtype": "bf16"}, {},
+         r"scale is a torch.bfloat16 tensor of shape \(50,\); this layer needs a torch.float32 tensor"),
+        ("fp8_e4m3", {"fp8_scale": "tensor"}, {}, r"scale is a torch.float32 tensor of shape \(1,\)"),
+    ],
+)
+def test_a_checkpoint_of_another_layout_is_refused_before_anything_is_written(fmt, saved, expected, match):
+    """A frozen layer's codes and scales load only into a layer of the same layout: a double-quantized,
+    re-blocked, re-typed or per-tensor-scaled checkpoint is named and refused (``copy_`` had broadcast and
+    converted it into garbage weights), and the layer keeps what it had."""
+    src = _layer(fmt, mode="frozen", **saved)
+    dst = _layer(fmt, mode="frozen", in_f=70, out_f=45, **expected)
+    with torch.no_grad():
+        dst.qweight.requantize_(torch.randn(45, 70))
+    before = {k: v.clone() for k, v in dst.qweight.storage_tensors().items()}
+    with pytest.raises(ValueError, match=match):
+        dst.load_state_dict(src.state_dict())
+    assert all(torch.equal(v.view(torch.uint8), before[k].view(torch.uint8))
+               for k, v in dst.qweight.storage_tensors().items())
+
+
+def test_a_checkpoint_without_its_block_size_still_loads_by_its_shapes():
+    a, b = _layer("int8", mode="frozen"), _layer("int8", mode="frozen")
+    with torch.no_grad():
+        b.qweight.requantize_(torch.randn(45, 70))
+    sd = a.state_dict()
+    del sd["_extra_state"]["block_size"]  # as written before the block size was saved
+    b.load_state_dict(sd)
+    assert torch.equal(b.qweight.qdata, a.qweight.qdata) and torch.equal(b.qweight.scale, a.qweight.scale)
+    sd["_extra_state"]["qdata"] = a.qweight.qdata[:64]
+    with pytest.raises(ValueError, match=r"checkpoint's qdata is a torch.int8 tensor of shape \(64,\); this "
+                       r"layer needs a torch.int8 tensor of shape \(3150,\)"):
+        b.load_state_dict(sd)
+    del sd["_extra_state"]["qdata"]
+    with pytest.raises(ValueError, match="checkpoint's qdata is missing"):
+        b.load_state_dict(sd)
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="fmt='none' means keep nn.Linear"):
         QuantLinear(4, 4, fmt="none")
+    for seed in (-1, 2**32, 1.5):
+        with pytest.raises(ValueError, match=rf"sr_seed={seed!r} is not allowed: use an int in \[0, 2\^32\)"):
+            QuantLinear(4, 4, fmt="int8", sr_seed=seed)
+    assert QuantLinear(4, 4, fmt="int8", sr_seed=2**32 - 1).sr_seed == 2**32 - 1
     with pytest.raises(ValueError, match="weight has shape"):
         QuantLinear(4, 4, fmt="int8", weight=torch.zeros(3, 4))
     with pytest.raises(ValueError, match="wrap a lone nn.Linear"):
