@@ -86,8 +86,9 @@ void adam8bit_blockwise_step_(at::Tensor& p, const at::Tensor& g, at::Tensor& st
   check_state(qmap1, "qmap1", at::kFloat, 256);
   check_state(qmap2, "qmap2", at::kFloat, 256);
   TORCH_CHECK(step >= 1, "step=", step, " must be >= 1");
-  const ppq::adam8::Map& m1 = ppq::adam8::get_map(qmap1.data_ptr<float>());
-  const ppq::adam8::Map& m2 = ppq::adam8::get_map(qmap2.data_ptr<float>());
+  const auto map1 = ppq::adam8::get_map(qmap1.data_ptr<float>());
+  const auto map2 = ppq::adam8::get_map(qmap2.data_ptr<float>());
+  const ppq::adam8::Map &m1 = *map1, &m2 = *map2;
   const ppq::adam8::Hyper h = ppq::adam8::make_hyper(beta1, beta2, eps, step, lr, weight_decay, gnorm_scale);
   float* pp = p.data_ptr<float>();
   const float* gp = g.data_ptr<float>();

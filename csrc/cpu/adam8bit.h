@@ -76,23 +76,27 @@ inline std::unique_ptr<Map> build_map(const float* v) {
   return m;
 }
 
-// The map for these 256 values, built once: optimizers call with the same two maps every step.
-inline const Map& get_map(const float* v) {
+// The map for these 256 values, built once: optimizers call with the same two maps every step. The
+// caller shares ownership while it steps: a later call (the step's other map, another thread) may
+// evict the entry from the cache of the last 8 maps.
+inline std::shared_ptr<const Map> get_map(const float* v) {
   static std::mutex mu;
-  static std::vector<std::unique_ptr<Map>> cache;
+  static std::vector<std::shared_ptr<const Map>> cache;
   std::lock_guard<std::mutex> lock(mu);
   for (const auto& m : cache) {
-    if (std::memcmp(m->value, v, sizeof(m->value)) == 0) return *m;
+    if (std::memcmp(m->value, v, sizeof(m->value)) == 0) return m;
   }
   if (cache.size() >= 8) cache.erase(cache.begin());
   cache.push_back(build_map(v));
-  return *cache.back();
+  return cache.back();
 }
 
 inline uint32_t cell(uint32_t u) { return std::min(u >> 16, Map::kTop); }
 
-// Index of the nearest code: the number of midpoints below y (y == a midpoint: the lower code).
+// Index of the nearest code: the number of midpoints below y (y == a midpoint: the lower code; NaN,
+// of either sign: the last code, as the reference's bucketize).
 inline uint8_t encode(const Map& m, float y) {
+  if (y != y) return 255;
   if (m.lut) {
     const uint32_t u = std::bit_cast<uint32_t>(y);
     const uint32_t w = (u ^ uint32_t(int32_t(u) >> 31)) & 0xffffu;
@@ -190,14 +194,20 @@ PPQ_ALWAYS_INLINE inline __m256 decode8(const float* t, const uint8_t* c) {
 }
 #endif
 
+// The bits of |x|: for magnitudes the integer order is the float order, with NaN above +Inf.
+inline uint32_t abs_bits(float x) { return std::bit_cast<uint32_t>(x) & 0x7fffffffu; }
+
 // One block of len <= kBlock values: p, g, q1, q2 point at the block's first value, a1/a2 at its
 // absmax. Decode, Adam update, new absmax, encode (the reference's operations in its order).
+// The absmax is the largest magnitude's bit pattern (the second moment is >= 0 or NaN): a NaN moment
+// makes it NaN, as the reference's amax. A block whose absmax is not finite holds NaN or Inf moments,
+// which the scalar encode() codes as the reference does (Inf * (1 / Inf) is NaN: the last code).
 inline void block_step(const Hyper& h, const Map& m1, const Map& m2, float* __restrict pp,
                        const float* __restrict gp, uint8_t* __restrict q1, uint8_t* __restrict q2, float* a1p,
                        float* a2p, int64_t len) {
   alignas(64) float s1[kBlock], s2[kBlock];
   const float a1 = *a1p, a2 = *a2p;
-  float mx1 = 0.0f, mx2 = 0.0f;
+  uint32_t mb1 = 0, mb2 = 0;  // the absmax bits
   int64_t j = 0;
 #if PPQ_ISA_AVX512
   {  // the loop below, 16 values at a time (same operations, same order)
@@ -206,7 +216,7 @@ inline void block_step(const Hyper& h, const Map& m1, const Map& m2, float* __re
     const __m512 vdecay = _mm512_set1_ps(h.decay), vstep = _mm512_set1_ps(h.step_size);
     const __m512 va1 = _mm512_set1_ps(a1), va2 = _mm512_set1_ps(a2);
     const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
-    __m512 vmx1 = _mm512_setzero_ps(), vmx2 = _mm512_setzero_ps();
+    __m512i vmx1 = _mm512_setzero_si512(), vmx2 = _mm512_setzero_si512();
     // Values i0..i0+15, e1/e2 their states' code-map values.
     auto step16 = [&](int64_t i0, __m512 e1, __m512 e2) PPQ_ALWAYS_INLINE {
       __m512 gi = _mm512_loadu_ps(gp + i0);
@@ -217,8 +227,8 @@ inline void block_step(const Hyper& h, const Map& m1, const Map& m2, float* __re
       const __m512 v2 = _mm512_add_ps(d2, _mm512_mul_ps(_mm512_mul_ps(gi, gi), vob2));
       _mm512_store_ps(s1 + i0, v1);
       _mm512_store_ps(s2 + i0, v2);
-      vmx1 = _mm512_max_ps(vmx1, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v1), abs_mask)));
-      vmx2 = _mm512_max_ps(vmx2, v2);
+      vmx1 = _mm512_max_epu32(vmx1, _mm512_and_si512(_mm512_castps_si512(v1), abs_mask));
+      vmx2 = _mm512_max_epu32(vmx2, _mm512_and_si512(_mm512_castps_si512(v2), abs_mask));
       __m512 w = _mm512_loadu_ps(pp + i0);
       if (h.wd) w = _mm512_mul_ps(w, vdecay);
       const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(v2), veps);
@@ -237,8 +247,8 @@ inline void block_step(const Hyper& h, const Map& m1, const Map& m2, float* __re
       const __m512i c2 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q2 + j)));
       step16(j, _mm512_i32gather_ps(c1, m1.value, 4), _mm512_i32gather_ps(c2, m2.value, 4));
     }
-    mx1 = _mm512_reduce_max_ps(vmx1);
-    mx2 = _mm512_reduce_max_ps(vmx2);
+    mb1 = _mm512_reduce_max_epu32(vmx1);
+    mb2 = _mm512_reduce_max_epu32(vmx2);
   }
 #elif PPQ_ISA_AVX2
   {  // the loop below, 8 values at a time (same operations, same order)
@@ -246,8 +256,8 @@ inline void block_step(const Hyper& h, const Map& m1, const Map& m2, float* __re
     const __m256 vob2 = _mm256_set1_ps(h.ob2), veps = _mm256_set1_ps(h.eps2), vgs = _mm256_set1_ps(h.gs);
     const __m256 vdecay = _mm256_set1_ps(h.decay), vstep = _mm256_set1_ps(h.step_size);
     const __m256 va1 = _mm256_set1_ps(a1), va2 = _mm256_set1_ps(a2);
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 vmx1 = _mm256_setzero_ps(), vmx2 = _mm256_setzero_ps();
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+    __m256i vmx1 = _mm256_setzero_si256(), vmx2 = _mm256_setzero_si256();
     for (; j + 8 <= len; j += 8) {
       __m256 gi = _mm256_loadu_ps(gp + j);
       if (h.scale_g) gi = _mm256_mul_ps(gi, vgs);
@@ -257,20 +267,19 @@ inline void block_step(const Hyper& h, const Map& m1, const Map& m2, float* __re
       const __m256 v2 = _mm256_add_ps(d2, _mm256_mul_ps(_mm256_mul_ps(gi, gi), vob2));
       _mm256_store_ps(s1 + j, v1);
       _mm256_store_ps(s2 + j, v2);
-      // max with the accumulator second: a NaN lane is skipped, as std::max(mx, NaN) in the scalar loop
-      vmx1 = _mm256_max_ps(_mm256_and_ps(v1, abs_mask), vmx1);
-      vmx2 = _mm256_max_ps(v2, vmx2);
+      vmx1 = _mm256_max_epu32(vmx1, _mm256_and_si256(_mm256_castps_si256(v1), abs_mask));
+      vmx2 = _mm256_max_epu32(vmx2, _mm256_and_si256(_mm256_castps_si256(v2), abs_mask));
       __m256 w = _mm256_loadu_ps(pp + j);
       if (h.wd) w = _mm256_mul_ps(w, vdecay);
       const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(v2), veps);
       _mm256_storeu_ps(pp + j, _mm256_add_ps(w, _mm256_mul_ps(vstep, _mm256_div_ps(v1, denom))));
     }
-    alignas(32) float t1[8], t2[8];
-    _mm256_store_ps(t1, vmx1);
-    _mm256_store_ps(t2, vmx2);
+    alignas(32) uint32_t t1[8], t2[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t1), vmx1);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t2), vmx2);
     for (int l = 0; l < 8; ++l) {
-      mx1 = std::max(mx1, t1[l]);
-      mx2 = std::max(mx2, t2[l]);
+      mb1 = std::max(mb1, t1[l]);
+      mb2 = std::max(mb2, t2[l]);
     }
   }
 #endif
@@ -280,20 +289,22 @@ inline void block_step(const Hyper& h, const Map& m1, const Map& m2, float* __re
     const float v2 = m2.value[q2[i]] * a2 * h.b2 + gi * gi * h.ob2;
     s1[i] = v1;
     s2[i] = v2;
-    mx1 = std::max(mx1, std::fabs(v1));
-    mx2 = std::max(mx2, v2);
+    mb1 = std::max(mb1, abs_bits(v1));
+    mb2 = std::max(mb2, abs_bits(v2));
     float w = pp[i];
     if (h.wd) w = w * h.decay;
     const float denom = std::sqrt(v2) + h.eps2;
     pp[i] = w + h.step_size * (v1 / denom);
   }
+  const float mx1 = std::bit_cast<float>(mb1), mx2 = std::bit_cast<float>(mb2);
   *a1p = mx1;
   *a2p = mx2;
-  // all-zero block: codes of 0
+  // all-zero block: codes of 0; a NaN absmax: 1, as the reference's where(a > 0, a, 1)
   const float r1 = 1.0f / (mx1 > 0.0f ? mx1 : 1.0f), r2 = 1.0f / (mx2 > 0.0f ? mx2 : 1.0f);
+  [[maybe_unused]] const bool fast = m1.lut && m2.lut && std::isfinite(mx1) && std::isfinite(mx2);
   int64_t i = 0;
 #if PPQ_ISA_AVX512
-  if (m1.lut && m2.lut) {
+  if (fast) {
     const __m512 vr1 = _mm512_set1_ps(r1), vr2 = _mm512_set1_ps(r2);
     for (; i + 16 <= len; i += 16) {
       const __m512i c1 = encode16(m1, _mm512_mul_ps(_mm512_load_ps(s1 + i), vr1));
@@ -303,7 +314,7 @@ inline void block_step(const Hyper& h, const Map& m1, const Map& m2, float* __re
     }
   }
 #elif PPQ_ISA_AVX2
-  if (m1.lut && m2.lut) {
+  if (fast) {
     const __m256 vr1 = _mm256_set1_ps(r1), vr2 = _mm256_set1_ps(r2);
     for (; i + 16 <= len; i += 16) {
       const __m256i a = encode8(m1, _mm256_mul_ps(_mm256_load_ps(s1 + i), vr1));

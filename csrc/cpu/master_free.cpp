@@ -205,17 +205,18 @@ void master_free_adamw_step_(at::Tensor& codes, at::Tensor& scales, c10::string_
               "; allowed: Float (fp32 moments) or Byte (8-bit states)");
   check(state1, "state1", state1.scalar_type(), n);
   check(state2, "state2", state1.scalar_type(), n);
-  const ppq::adam8::Map* m1 = nullptr;
-  const ppq::adam8::Map* m2 = nullptr;
+  std::shared_ptr<const ppq::adam8::Map> map1, map2;  // held through the step (adam8bit.h's get_map)
   if (states8) {
     const int64_t na = (n + ppq::adam8::kBlock - 1) / ppq::adam8::kBlock;
     check(absmax1, "absmax1", at::kFloat, na);
     check(absmax2, "absmax2", at::kFloat, na);
     check(qmap1, "qmap1", at::kFloat, 256);
     check(qmap2, "qmap2", at::kFloat, 256);
-    m1 = &ppq::adam8::get_map(qmap1.data_ptr<float>());
-    m2 = &ppq::adam8::get_map(qmap2.data_ptr<float>());
+    map1 = ppq::adam8::get_map(qmap1.data_ptr<float>());
+    map2 = ppq::adam8::get_map(qmap2.data_ptr<float>());
   }
+  const ppq::adam8::Map* m1 = map1.get();
+  const ppq::adam8::Map* m2 = map2.get();
   const ppq::adam8::Hyper h = ppq::adam8::make_hyper(beta1, beta2, eps, step, lr, weight_decay, grad_scale);
   auto* cp = static_cast<uint8_t*>(codes.data_ptr());
   const bool sbf = scales.scalar_type() == at::kBFloat16;

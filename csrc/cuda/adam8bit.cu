@@ -10,7 +10,8 @@
 //   computed in double exactly as the CPU kernel's make_hyper computes them. So the parameters, absmax
 //   and codes equal the CPU kernel's (and the reference's) bit for bit.
 // * One thread per value and one 256-thread block per optimizer block of 256 values: the block's absmax is
-//   a warp-shuffle + shared-memory max (a NaN is skipped, as the CPU kernel's std::max skips it). A grid of
+//   a warp-shuffle + shared-memory max of the magnitudes' bits (a NaN moment gives a NaN absmax, as the
+//   reference's amax and the CPU kernel). A grid of
 //   at most kMaxBlocks blocks strides over the optimizer blocks, so each thread block prepares the two code
 //   maps once and reuses them.
 // * Nearest code: the 255 midpoints of each map sit in shared memory sorted (each placed at its rank, so
@@ -18,8 +19,7 @@
 //   i = 2i + 1 + (mid[i] < y), which ends at 255 + (midpoints below y). The first levels are read by all
 //   threads from a few words (broadcasts); level l spans 2^l consecutive words, so bank conflicts stay at
 //   most 4-way. (The CPU kernel's cell table, 192 KiB per map, would not fit in shared memory.) A NaN
-//   state value is searched as an infinity of its sign, which gives the code the CPU kernel's table gives
-//   it for bitsandbytes' maps (255 for +NaN, 0 for -NaN).
+//   state value of either sign is searched as +Inf: code 255, as the reference's bucketize.
 // * Plain CUDA C++ (raw pointers and a stream) so nvcc compiles it on CPU-only CI; adam8bit_binding.cpp
 //   validates the tensors.
 #include <cuda_runtime.h>
@@ -49,9 +49,9 @@ __device__ __forceinline__ int eytzinger(int j) {
   return (1 << (7 - tz)) - 1 + (v >> (tz + 1));
 }
 
-// Number of midpoints below y (0..255); a NaN counts as an infinity of its sign.
+// Number of midpoints below y (0..255); a NaN of either sign: 255, as the reference's bucketize.
 __device__ __forceinline__ uint8_t nearest(const float* tree, float y) {
-  if (y != y) y = __float_as_uint(y) >> 31 ? -INFINITY : INFINITY;
+  if (y != y) y = INFINITY;
   int i = 0;
 #pragma unroll
   for (int l = 0; l < 8; ++l) i = 2 * i + 1 + (tree[i] < y ? 1 : 0);
@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kBlock)
                     const float* __restrict__ qmap1, const float* __restrict__ qmap2, int64_t n, int64_t nb,
                     Scalars k) {
   __shared__ float val1[256], val2[256], tree1[256], tree2[256], mid1[256], mid2[256];
-  __shared__ float red1[kBlock / 32], red2[kBlock / 32];
+  __shared__ unsigned red1[kBlock / 32], red2[kBlock / 32];
   const int t = threadIdx.x;
   val1[t] = qmap1[t];
   val2[t] = qmap2[t];
@@ -99,11 +99,12 @@ __global__ void __launch_bounds__(kBlock)
       const float denom = __fadd_rn(__fsqrt_rn(v2), k.eps2);
       p[i] = __fadd_rn(w, __fmul_rn(k.step_size, __fdiv_rn(v1, denom)));
     }
-    // block max of |v1| and of v2, from 0; fmaxf drops a NaN operand (the CPU kernel's std::max skips it)
-    float m1 = fmaxf(0.0f, fabsf(v1)), m2 = fmaxf(0.0f, v2);
+    // block max of |v1| and of v2 (>= 0 or NaN) as the magnitudes' bits: the integer order is the float
+    // order with NaN above +Inf, so a NaN moment makes the absmax NaN (the reference's amax, the CPU kernel)
+    unsigned m1 = __float_as_uint(fabsf(v1)), m2 = __float_as_uint(fabsf(v2));
     for (int o = 16; o > 0; o >>= 1) {
-      m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, o));
-      m2 = fmaxf(m2, __shfl_xor_sync(0xffffffffu, m2, o));
+      m1 = max(m1, __shfl_xor_sync(0xffffffffu, m1, o));
+      m2 = max(m2, __shfl_xor_sync(0xffffffffu, m2, o));
     }
     __syncthreads();  // red1/red2 may still be read for the previous optimizer block
     if ((t & 31) == 0) {
@@ -113,16 +114,17 @@ __global__ void __launch_bounds__(kBlock)
     __syncthreads();
 #pragma unroll
     for (int w = 0; w < kBlock / 32; ++w) {
-      m1 = fmaxf(m1, red1[w]);
-      m2 = fmaxf(m2, red2[w]);
+      m1 = max(m1, red1[w]);
+      m2 = max(m2, red2[w]);
     }
+    const float mx1 = __uint_as_float(m1), mx2 = __uint_as_float(m2);
     if (t == 0) {  // every thread has read a1/a2 (before the barriers above)
-      absmax1[b] = m1;
-      absmax2[b] = m2;
+      absmax1[b] = mx1;
+      absmax2[b] = mx2;
     }
     if (ok) {
-      // the block's reciprocals (all-zero block: 1, codes of 0)
-      const float r1 = __fdiv_rn(1.0f, m1 > 0.0f ? m1 : 1.0f), r2 = __fdiv_rn(1.0f, m2 > 0.0f ? m2 : 1.0f);
+      // the block's reciprocals (all-zero block and NaN absmax: 1, as the reference's where(a > 0, a, 1))
+      const float r1 = __fdiv_rn(1.0f, mx1 > 0.0f ? mx1 : 1.0f), r2 = __fdiv_rn(1.0f, mx2 > 0.0f ? mx2 : 1.0f);
       state1[i] = nearest(tree1, __fmul_rn(v1, r1));
       state2[i] = nearest(tree2, __fmul_rn(v2, r2));
     }

@@ -223,3 +223,49 @@ def test_opcheck():
     args = (a[0], g, a[1], a[2], a[3], a[4], Q1, Q2, 0.9, 0.999, 1e-8, 2, 1e-3, 0.0, 1.0)
     torch.library.opcheck(torch.ops.ppq.adam8bit_blockwise_step_.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@native
+@pytest.mark.parametrize("n", [BLOCK, 3 * BLOCK + 77])
+def test_non_finite_moments_code_as_the_reference(n):
+    """NaN and Inf moments: a gradient NaN in some lanes, +-Inf in others, and one that overflows g * g
+    (a finite gradient, an infinite second moment); then a finite step on what that wrote (a NaN or Inf
+    absmax, Inf * (1 / Inf) = NaN codes). The absmax is NaN where a moment is (the reference's amax), a
+    NaN of either sign takes the last code (its bucketize), all bit for bit."""
+    gens = [lambda g: g.__setitem__(slice(3, None, 50), float("nan")),
+            lambda g: g.__setitem__(slice(5, None, 70), float("inf")),
+            lambda g: g.__setitem__(slice(7, None, 90), -float("inf")),
+            lambda g: g.__setitem__(slice(None, None, 40), 1e20)]
+    for poison in gens:
+        a, b = _state(n), _state(n)
+        for t, bad in ((1, True), (2, False)):
+            g = torch.randn(n, generator=torch.Generator().manual_seed(t)) * 1e-3
+            if bad:
+                poison(g)
+            args = (Q1, Q2, 0.9, 0.999, 1e-8, t, 1e-3, 0.0, 1.0)
+            torch.ops.ppq.adam8bit_blockwise_step_(a[0], g, a[1], a[2], a[3], a[4], *args)
+            REF(b[0], g, b[1], b[2], b[3], b[4], *args)
+            for name, x, y in zip(("p", "state1", "state2", "absmax1", "absmax2"), a, b, strict=True):
+                same = (x == y) | (x.isnan() & y.isnan()) if x.is_floating_point() else x == y
+                assert bool(same.all()), f"step {t}: {name}: {int((~same).sum())} of {x.numel()} differ"
+        assert not all(bool(s.isfinite().all()) for s in (a[3], a[4]))  # the poison reached an absmax
+
+
+@native
+def test_a_map_evicted_from_the_kernels_cache_mid_step():
+    """The kernel caches the last 8 code maps; the step's second map may evict its first (here Q1,
+    the oldest after 3 other pairs): the step still codes with Q1, as the reference."""
+    def maps(k):
+        a, b = Q1.clone(), Q2.clone()
+        a[1] += k * 1e-7
+        b[1] += k * 1e-7
+        return a, b
+
+    n = 2 * BLOCK
+    g = torch.randn(n, generator=torch.Generator().manual_seed(3)) * 1e-3
+    for q1, q2 in [(Q1, Q2), maps(1), maps(2), maps(3), (Q1, maps(99)[1])]:
+        a, b = _state(n), _state(n)
+        args = (q1, q2, 0.9, 0.999, 1e-8, 3, 1e-3, 0.0, 1.0)
+        torch.ops.ppq.adam8bit_blockwise_step_(a[0], g, a[1], a[2], a[3], a[4], *args)
+        REF(b[0], g, b[1], b[2], b[3], b[4], *args)
+        _assert_equal_states(a, b)
