@@ -135,10 +135,14 @@ def test_an_interrupted_timing_run_takes_its_ranks_with_it(tmp_path):
     paths = [str(ROOT / "examples" / "demo"), str(ROOT / "examples"), str(tmp_path)]
     demo = subprocess.Popen([sys.executable, "-c", code, *paths], env=dict(os.environ, PYTHONPATH=str(ROOT)),
                             cwd=ROOT)
-    for _ in range(600):  # until the launcher has started its ranks
+    for _ in range(3000):  # until the launcher has started its ranks (a loaded machine: minutes)
         if len(_processes_with(cfg)) >= 3:
             break
         time.sleep(0.1)
+    else:
+        demo.kill()
+        _kill_all(_processes_with(cfg))
+        pytest.fail("the timing run's ranks did not start within 300 s")
     demo.send_signal(signal.SIGINT)
     demo.wait(timeout=120)
     left = _processes_with(cfg)
