@@ -136,6 +136,20 @@ def _merge(argv: list[str], extra: list[str], source: str) -> list[str]:
     return out
 
 
+def _plan_conflicts(given: dict, planned: dict, path: tuple[str, ...]) -> list[str]:
+    """The settings in ``given`` (from ``--ppq-*`` flags or ``--ppq-config``) that the plan replaced."""
+    out = []
+    for key, value in given.items():
+        here = (*path, key)
+        if isinstance(value, dict) and isinstance(planned.get(key), dict):
+            out += _plan_conflicts(value, planned[key], here)
+        elif planned.get(key) != value:
+            flag = "--ppq-" + "-".join(p.replace("_", "-") for p in here)
+            planned_value = json.dumps(planned.get(key))
+            out.append(f"{flag} {json.dumps(value)} was given and the plan has {planned_value}")
+    return out
+
+
 def prepare(argv: list[str]) -> tuple[list[str], dict]:
     """Validate the ppq flags of a Megatron command line and compute what to run.
 
@@ -153,7 +167,7 @@ def prepare(argv: list[str]) -> tuple[list[str], dict]:
     parser = add_ppq_args(argparse.ArgumentParser(prog="megatron_patches.run", add_help=False,
                                                   allow_abbrev=False))
     ppq_args, rest = parser.parse_known_args(argv)
-    bad = [a for a in rest if a.startswith("--ppq")]
+    bad = [a for a in rest if a.startswith(("--ppq", "--no-ppq"))]
     if bad:
         raise PPQConfigError(f"unknown ppq flag(s) {bad}; see `python -m megatron_patches.run --help-ppq`")
     try:
@@ -171,10 +185,15 @@ def prepare(argv: list[str]) -> tuple[list[str], dict]:
             raise PPQConfigError(f"--ppq-plan-file: {e}") from None
         rest = _merge(rest, flags, f"--ppq-plan-file {cfg.plan_file}")
         section = cfg.model_dump(mode="json", exclude_unset=True)
+        given = {k: section[k] for k in overrides if k in section}
         section.update(overrides)
         from deepspeed_ppq.config import load_ppq_config
 
         cfg = load_ppq_config(section, root="ppq (with the plan)")
+        conflicts = _plan_conflicts(given, cfg.model_dump(mode="json"), ())
+        if conflicts:
+            raise PPQConfigError(f"--ppq-plan-file {cfg.plan_file} sets the weights and codecs, but "
+                                 + "; ".join(conflicts) + ": drop them or tune again with them")
     view = _megatron_view(rest)
     layout = partition_layout(cfg, view.pipeline_model_parallel_size, view.num_layers)
     if layout is not None:

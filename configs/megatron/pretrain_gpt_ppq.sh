@@ -5,10 +5,11 @@
 # Run from a Megatron-LM checkout with deepspeed_ppq installed:  bash pretrain_gpt_ppq.sh
 # Multi-node: see pretrain_gpt_ppq.sbatch. tests/megatron/test_megatron_args.py validates the flags below.
 set -euo pipefail
-DATA_PATH=${DATA_PATH:-/data/my-gpt2_text_document}
-VOCAB=${VOCAB:-/data/gpt2-vocab.json}
-MERGES=${MERGES:-/data/gpt2-merges.txt}
-CKPT=${CKPT:-/checkpoints/gpt-ppq}
+# The data has no default that holds on every machine: stop here, before anything starts, when one is unset.
+DATA_PATH=${DATA_PATH:?set DATA_PATH to the dataset prefix (my-gpt2_text_document, without .bin/.idx)}
+VOCAB=${VOCAB:?set VOCAB to the GPT-2 vocabulary file (gpt2-vocab.json)}
+MERGES=${MERGES:?set MERGES to the GPT-2 merges file (gpt2-merges.txt)}
+CKPT=${CKPT:-$PWD/checkpoints/gpt-ppq}  # under the directory it runs from (sbatch: the submit directory)
 
 ARGS=(
   --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048

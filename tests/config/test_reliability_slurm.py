@@ -15,6 +15,8 @@ from dist_utils import ROOT
 from fake_slurm.fake_slurm import install
 
 SLURM_ARGS = "--num-stages 4 --n-layers 32 --d-model 2048 --n-heads 16 --seq-len 2048 --steps 1000"
+DATA = {"DATA_PATH": "/shared/gpt2_text_document", "VOCAB": "/shared/vocab.json",
+        "MERGES": "/shared/merges.txt"}
 TORCHRUN_ARGS = "--num-stages 8 --n-layers 48 --d-model 2048 --n-heads 16 --seq-len 2048 --steps 1000"
 
 
@@ -22,7 +24,7 @@ def _submit(tmp_path: Path, script: str, cwd: Path, sbatch_opts=(), **env_extra)
     env = install(tmp_path / "bin", tmp_path / "state")
     env.update(TMPDIR=str(tmp_path), **env_extra)
     for k in ("LAUNCHER", "CONFIG", "SCRIPT", "SCRIPT_ARGS", "GPUS_PER_NODE", "MASTER_PORT",
-              "PPQ_MEGATRON_DIR"):
+              "PPQ_MEGATRON_DIR", "DATA_PATH", "VOCAB", "MERGES", "CKPT"):
         if k not in env_extra:
             env.pop(k, None)
     proc = subprocess.run(["sbatch", *sbatch_opts, str(ROOT / script)], cwd=cwd, env=env, capture_output=True,
@@ -35,13 +37,15 @@ def _submit(tmp_path: Path, script: str, cwd: Path, sbatch_opts=(), **env_extra)
 def test_megatron_sbatch_runs_one_torchrun_per_node_with_all_flags(tmp_path):
     megatron = tmp_path / "Megatron-LM"  # submitted from a Megatron-LM checkout, not from this repository
     megatron.mkdir()
-    rc, out, calls = _submit(tmp_path, "configs/megatron/pretrain_gpt_ppq.sbatch", megatron)
+    rc, out, calls = _submit(tmp_path, "configs/megatron/pretrain_gpt_ppq.sbatch", megatron, **DATA)
     assert rc == 0, out
     args = subprocess.run(["bash", "-c", 'source "$1"; printf "%s\\0" "${ARGS[@]}"', "sh",
                            str(ROOT / "configs" / "megatron" / "pretrain_gpt_ppq.sh")],
-                          capture_output=True, text=True, check=True, env={"PATH": os.environ["PATH"]}
-                          ).stdout.split("\0")[:-1]
+                          capture_output=True, text=True, check=True, cwd=megatron,
+                          env={"PATH": os.environ["PATH"], **DATA}).stdout.split("\0")[:-1]
     assert "--ppq-weights-format" in args and "--num-layers" in args
+    assert args[args.index("--data-path") + 1] == DATA["DATA_PATH"]
+    assert args[args.index("--save") + 1] == str(megatron / "checkpoints" / "gpt-ppq")  # not /checkpoints
     assert [c["tool"] for c in calls] == ["torchrun", "torchrun"], calls
     for node, call in enumerate(calls):
         assert call["env"]["SLURM_NODEID"] == str(node)
@@ -49,6 +53,16 @@ def test_megatron_sbatch_runs_one_torchrun_per_node_with_all_flags(tmp_path):
                                 "--rdzv-backend", "c10d", "--rdzv-endpoint", "node1:29500",
                                 "-m", "megatron_patches.run", "pretrain_gpt.py", *args,
                                 "--global-batch-size", "512"], call
+
+
+@pytest.mark.parametrize("unset", ["DATA_PATH", "VOCAB", "MERGES"])
+def test_megatron_sbatch_without_data_names_the_variable(tmp_path, unset):
+    """No default path to one machine's data: an unset variable stops the job before srun."""
+    megatron = tmp_path / "Megatron-LM"
+    megatron.mkdir()
+    rc, out, calls = _submit(tmp_path, "configs/megatron/pretrain_gpt_ppq.sbatch", megatron,
+                             **{k: v for k, v in DATA.items() if k != unset})
+    assert rc != 0 and f"{unset}: set {unset} to" in out and calls == [], out
 
 
 def test_megatron_sbatch_without_companion_names_the_fix(tmp_path):

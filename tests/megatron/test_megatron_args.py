@@ -217,6 +217,30 @@ def test_plan_file_becomes_megatron_flags(tmp_path):
         prepare(["--transformer-impl", "local", "--micro-batch-size", "4", "--ppq-plan-file", str(path)])
 
 
+def test_plan_file_refuses_ppq_settings_it_would_replace(tmp_path):
+    from deepspeed_ppq.autotune.plan import Plan, StagePlan
+
+    plan = Plan(world_size=2, pipeline_degree=2, micro_batch_size=2, num_microbatches=8, schedule="1f1b",
+                stages=[StagePlan((0, 2), ["none", "int8"]), StagePlan((2, 4), ["int8", "none"])],
+                layer_names=["embed", "b0", "b1", "head"], activation_codec={"method": "quant", "bits": 8})
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    base = ["--transformer-impl", "local", "--ppq-plan-file", str(path)]
+    for flags, msg in ((["--ppq-gradients-method", "fp8"], '--ppq-gradients-method "fp8" was given and the '
+                        'plan has "none"'),
+                       (["--ppq-weights-block-size", "32"], "--ppq-weights-block-size 32 was given and the "
+                        "plan has 64")):
+        with pytest.raises(PPQConfigError, match=f"--ppq-plan-file .*plan.json sets .*{msg}"):
+            prepare([*base, *flags])
+    _, section = prepare([*base, "--ppq-activations-bits", "8"])  # the plan's own value is fine
+    assert section["activations"] == {"method": "quant", "bits": 8}
+
+
+def test_misspelt_negative_ppq_flag_is_refused():
+    with pytest.raises(PPQConfigError, match=r"unknown ppq flag\(s\) \['--no-ppq-activations-enable'\]"):
+        prepare(["--no-ppq-activations-enable"])
+
+
 def test_configs_megatron_command_lines_are_valid():
     """configs/megatron/*: the flags of the shipped command line pass the launcher's checks."""
     import shlex
