@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deepspeed_ppq.formats import FORMATS
 from deepspeed_ppq.memory_categories import PLAN_LEGACY_NAMES, canonical
 
 __all__ = ["PLAN_SCHEMA_VERSION", "PlanError", "StagePlan", "Plan", "load_plan", "recomputes"]
@@ -38,6 +39,32 @@ def recomputes(last: int, recompute: bool, keep_last: int, i: int) -> bool:
 
 class PlanError(ValueError):
     """A plan file that cannot be used (wrong schema version, missing or inconsistent fields)."""
+
+
+_FORMATS = frozenset({"none"} | {spec.name for spec in FORMATS})
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_stage(i: int, s: StagePlan) -> None:
+    """Raise ``PlanError`` naming ``stages[i].<field>`` if a stage's fields have the wrong type or range."""
+    if len(s.layers) != 2 or not all(_is_int(x) for x in s.layers):
+        raise PlanError(f"stages[{i}].layers={list(s.layers)} must be [first, last) as two integers")
+    n = s.layers[1] - s.layers[0]
+    if not isinstance(s.formats, list) or not all(isinstance(f, str) for f in s.formats):
+        raise PlanError(f"stages[{i}].formats={s.formats!r} must be a list of weight format names")
+    if len(s.formats) != n:
+        raise PlanError(f"stages[{i}].formats: {len(s.formats)} formats for the {n} layers {list(s.layers)}")
+    bad = sorted(set(s.formats) - _FORMATS)
+    if bad:
+        raise PlanError(f"stages[{i}].formats: unknown weight format(s) {bad}; allowed: {sorted(_FORMATS)}")
+    if not isinstance(s.recompute, bool):
+        raise PlanError(f"stages[{i}].recompute={s.recompute!r} must be true or false")
+    if not _is_int(s.keep_last) or not 0 <= s.keep_last <= n:
+        raise PlanError(f"stages[{i}].keep_last={s.keep_last!r} must be an integer from 0 to the stage's "
+                        f"{n} layers")
 
 
 @dataclass
@@ -138,24 +165,35 @@ class Plan:
 
     def check(self) -> None:
         """Raise ``PlanError`` if the plan is internally inconsistent."""
-        for name in ("world_size", "pipeline_degree", "micro_batch_size", "num_microbatches"):
+        for name in ("world_size", "pipeline_degree", "micro_batch_size", "num_microbatches", "block_size"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not _is_int(v) or v < 1:
                 raise PlanError(f"{name}={v!r} must be a positive integer")
+        threads = self.threads_per_rank
+        if threads is not None and (not _is_int(threads) or threads < 1):
+            raise PlanError(f"threads_per_rank={threads!r} must be a positive integer or null")
         if self.world_size % self.pipeline_degree:
             raise PlanError(
                 f"pipeline_degree={self.pipeline_degree} does not divide world_size={self.world_size}"
             )
         if len(self.stages) != self.pipeline_degree:
             raise PlanError(f"{len(self.stages)} stages for pipeline_degree={self.pipeline_degree}")
+        for i, s in enumerate(self.stages):
+            _check_stage(i, s)
         b = self.boundaries
         if b[0] != 0 or b[-1] != len(self.layer_names) or any(x >= y for x, y in zip(b, b[1:])):
             raise PlanError(f"boundaries {b} must increase strictly from 0 to {len(self.layer_names)}")
-        for s in self.stages:
-            if len(s.formats) != s.layers[1] - s.layers[0]:
-                raise PlanError(
-                    f"stage {s.layers}: {len(s.formats)} formats for {s.layers[1] - s.layers[0]} layers"
-                )
+        for i, s in enumerate(self.stages):
+            if i and s.layers[0] != self.stages[i - 1].layers[1]:
+                raise PlanError(f"stages[{i}].layers={list(s.layers)} must start where stage {i - 1} ends "
+                                f"({self.stages[i - 1].layers[1]}): stages hold consecutive layers")
+        if not isinstance(self.linear_formats, dict):
+            raise PlanError(f"linear_formats={self.linear_formats!r} must map Linear names to formats")
+        bad = {n: f for n, f in self.linear_formats.items() if f not in _FORMATS}
+        if bad:
+            raise PlanError(f"linear_formats={bad}: unknown weight format(s); allowed: {sorted(_FORMATS)}")
+        if not isinstance(self.model_fingerprint, dict):
+            raise PlanError(f"model_fingerprint={self.model_fingerprint!r} must be an object")
 
     def check_model(self, fingerprint: dict[str, Any], source: str = "the plan") -> None:
         """Raise ``PlanError`` unless the plan was made for the model with this ``fingerprint``."""
@@ -278,8 +316,14 @@ class Plan:
                 f"{PLAN_SCHEMA_VERSION}; re-run `ppq tune` to write a current plan"
             )
         d = {k: v for k, v in d.items() if k != "derived"}
+        stages = d.pop("stages", None)
+        if not isinstance(stages, list) or not all(isinstance(s, dict) for s in stages):
+            raise PlanError(f"stages={stages!r} must be a list of stage objects")
+        for i, s in enumerate(stages):
+            if not isinstance(s.get("memory", {}), dict):
+                raise PlanError(f"stages[{i}].memory={s['memory']!r} must be an object of bytes by category")
         try:
-            stages = [StagePlan(**{**s, "layers": tuple(s["layers"])}) for s in d.pop("stages")]
+            stages = [StagePlan(**{**s, "layers": tuple(s["layers"])}) for s in stages]
             plan = cls(stages=stages, **d)
         except (TypeError, KeyError, ValueError) as e:
             raise PlanError(f"plan file does not match schema version {PLAN_SCHEMA_VERSION}: {e}") from None

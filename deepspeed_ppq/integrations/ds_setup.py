@@ -6,6 +6,7 @@ re-quantization hook. The engine it builds for a ``PipelineModule`` is ``integra
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import torch
@@ -66,6 +67,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     ds_config = _resolve_ds_config(args, config, config_params)
     ppq = load_ppq_config(ds_config.get("ppq"))
+    if plan is not None and ppq.plan_file and str(plan) != ppq.plan_file:
+        raise PPQConfigError(f"plan={plan if isinstance(plan, (str, os.PathLike)) else type(plan).__name__} "
+                             f"and ppq.plan_file={ppq.plan_file!r} were both given: pass one plan (drop "
+                             "ppq.plan_file from the config, or the plan argument)")
     if plan is not None or ppq.plan_file:
         from deepspeed_ppq.integrations.plan_apply import apply_plan
 
@@ -263,12 +268,15 @@ def _prepare_model(model, ppq: PPQConfig, ds_config: dict, optimizer, model_para
     from deepspeed_ppq.integrations.stage import (
         apply_recompute,
         apply_weights,
+        check_block_layers,
         infer_block_layers,
         recompute_flags,
     )
     from deepspeed_ppq.quant import QuantLinear, convert_model
 
     is_pipe = isinstance(model, PipelineModule)
+    if is_pipe and block_layers is not None:
+        block_layers = check_block_layers(block_layers, len(model._layer_specs))
     if is_pipe and block_layers is None:
         block_layers = getattr(model, "block_layers", None) or infer_block_layers(model._layer_specs)
     already = any(isinstance(m, QuantLinear) for m in model.modules())

@@ -40,6 +40,7 @@ from deepspeed_ppq.integrations.capture import is_capturing
 from deepspeed_ppq.integrations.stage import (
     apply_recompute,
     apply_weights,
+    check_block_layers,
     infer_block_layers,
     recompute_flags,
 )
@@ -56,7 +57,11 @@ def check_boundaries(boundaries: Sequence[int], num_layers: int, num_stages: int
     Raises:
         PPQConfigError: naming ``partition.boundaries``, the value and what is allowed.
     """
-    b = [int(x) for x in boundaries]
+    items = None if isinstance(boundaries, (str, bytes)) else list(boundaries)
+    if items is None or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in items):
+        raise PPQConfigError(f"ppq.partition.boundaries={boundaries!r}: must be a list of integer layer "
+                             f"indices, e.g. {_example(num_layers, num_stages)}")
+    b = [int(x) for x in items]
     problems = []
     if len(b) != num_stages + 1:
         problems.append(f"needs num_stages + 1 = {num_stages + 1} entries, got {len(b)}")
@@ -148,13 +153,14 @@ class PPQPipelineModule(PipelineModule):
                 f"boundaries={list(boundaries)} are only used with partition_method='explicit' "
                 f"(got {partition_method!r})"
             )
-        self._ppq_boundaries = None if boundaries is None else list(boundaries)
+        self._ppq_boundaries = boundaries
+        weights = _weights_config(weights)
         if kwargs.get("seed_layers") and kwargs.get("seed_fn") is None:
             kwargs["seed_fn"] = seed_layer
         super().__init__(layers, num_stages=num_stages, partition_method=partition_method, **kwargs)
         self.activation_checkpoint_func = _inputs_needing_grad(self.activation_checkpoint_func)
-        self.block_layers = list(block_layers) if block_layers is not None else infer_block_layers(
-            self._layer_specs)
+        self.block_layers = check_block_layers(block_layers, len(self._layer_specs)) \
+            if block_layers is not None else infer_block_layers(self._layer_specs)
         self.ppq_weights = weights
         # under `ppq tune` the layers stay as given: the tuner decides their formats
         self.ppq_quantized = [] if is_capturing() else apply_weights(self, weights, self.block_layers)
@@ -194,6 +200,16 @@ class PPQPipelineModule(PipelineModule):
                 print(f"stage={s} layers={self.parts[s + 1] - self.parts[s]} "
                       f"[{self.parts[s]}, {self.parts[s + 1]})")
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+
+def _weights_config(weights) -> WeightsConfig | None:
+    """``weights=`` as a ``WeightsConfig``: a dict is validated as ``ppq.weights`` (errors name the field)."""
+    if weights is None or isinstance(weights, WeightsConfig):
+        return weights
+    if isinstance(weights, dict):
+        return load_ppq_config({"weights": weights}).weights
+    raise PPQConfigError(f"weights={weights!r}: must be a ppq.weights dict or WeightsConfig, e.g. "
+                         f"{{'format': 'int8'}}; got a {type(weights).__name__}")
 
 
 def _ppq_section(config):

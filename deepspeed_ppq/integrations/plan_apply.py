@@ -12,6 +12,7 @@ batch sizes and ``"ppq"`` section; everything else in the user's config stays.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
@@ -101,7 +102,7 @@ def apply_plan(plan: Plan | str, model, optimizer, ds_config: dict, args=None):
     """Rebuild ``model``, the optimizer and the config to carry ``plan`` out.
 
     Args:
-        plan: a ``Plan`` or the path of a plan file.
+        plan: a ``Plan`` or the path of a plan file (``str`` or ``os.PathLike``).
         model: the user's ``PipelineModule`` (built with any partition).
         optimizer: the user's optimizer (its hyper-parameters are kept) or None (the config's
             ``"optimizer"`` section gives them, or Adam's defaults).
@@ -113,13 +114,20 @@ def apply_plan(plan: Plan | str, model, optimizer, ds_config: dict, args=None):
         ``(model, optimizer, ds_config, args)``.
 
     Raises:
-        PlanError: the plan is unreadable, for another model or another world size.
+        PlanError: the plan is not a ``Plan`` or path, is unreadable, for another model or another
+            world size.
     """
     from deepspeed_ppq.quant import build_optimizer
 
-    source = f"plan file {plan}" if isinstance(plan, str) else "the plan"
-    if isinstance(plan, str):
+    if isinstance(plan, (str, os.PathLike)):
+        source = f"plan file {plan}"
         plan = load_plan(plan)
+    elif isinstance(plan, Plan):
+        source = "the plan"
+        plan.check()  # built or edited in code: not checked by load_plan
+    else:
+        raise PlanError(f"plan={plan!r} must be a Plan or the path of a plan file (str or os.PathLike), "
+                        f"got a {type(plan).__name__}")
     if not isinstance(model, PipelineModule):
         raise PPQConfigError(f"{source} describes pipeline stages: the model must be a PipelineModule, got "
                              f"{type(model).__name__}")

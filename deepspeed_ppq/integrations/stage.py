@@ -23,13 +23,15 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from deepspeed_ppq.config import PPQConfigError, WeightFormat, WeightsConfig
 
-__all__ = ["infer_block_layers", "apply_weights", "apply_recompute", "recompute_flags", "RecomputedLayer"]
+__all__ = ["infer_block_layers", "check_block_layers", "apply_weights", "apply_recompute", "recompute_flags",
+           "RecomputedLayer"]
 
 
 def _type_name(layer) -> str:
@@ -60,6 +62,23 @@ def infer_block_layers(layers: Sequence) -> list[int] | None:
     if n < 2:
         return None
     return [i for i, k in enumerate(kinds) if k == kind]
+
+
+def check_block_layers(block_layers: Sequence[int] | None, num_layers: int) -> list[int] | None:
+    """``block_layers`` as a list, if every entry is a global layer index of the model.
+
+    Raises:
+        PPQConfigError: naming ``block_layers``, the bad entries and the allowed range.
+    """
+    if block_layers is None:
+        return None
+    items = [block_layers] if isinstance(block_layers, (str, bytes)) else list(block_layers)
+    bad = [i for i in items if isinstance(i, bool) or not isinstance(i, (int, np.integer))
+           or not 0 <= i < num_layers]
+    if bad:
+        raise PPQConfigError(f"block_layers={block_layers!r}: {bad} are not layer indices of this model; "
+                             f"give a list of global layer indices in [0, {num_layers})")
+    return [int(i) for i in items]
 
 
 def _resync_forward_funcs(module) -> None:
