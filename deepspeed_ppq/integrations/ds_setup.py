@@ -275,10 +275,10 @@ def _prepare_model(model, ppq: PPQConfig, ds_config: dict, optimizer, model_para
     from deepspeed_ppq.quant import QuantLinear, convert_model
 
     is_pipe = isinstance(model, PipelineModule)
-    if is_pipe and block_layers is not None:
-        block_layers = check_block_layers(block_layers, len(model._layer_specs))
-    if is_pipe and block_layers is None:
-        block_layers = getattr(model, "block_layers", None) or infer_block_layers(model._layer_specs)
+    if is_pipe:
+        block_layers = check_block_layers(block_layers, len(model._layer_specs))  # None stays None
+        if block_layers is None:
+            block_layers = getattr(model, "block_layers", None) or infer_block_layers(model._layer_specs)
     already = any(isinstance(m, QuantLinear) for m in model.modules())
     w = ppq.weights
     if not already and (w.format.value != "none" or w.rules):
